@@ -1,0 +1,14 @@
+"""smemguard: keep Triton launches alive when a kernel asks for more shared memory than the GPU has.
+
+    import smemguard
+    smemguard.install()     # or run vLLM with VLLM_PLUGINS=smemguard
+
+Importing this package imports neither Triton nor torch.
+"""
+
+__version__ = "0.1.0"
+
+from .guard import install, is_installed, uninstall  # noqa: E402
+from .registry import register_fallback, unregister_fallback  # noqa: E402
+
+__all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback", "__version__"]

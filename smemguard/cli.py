@@ -1,0 +1,147 @@
+"""The ``smemguard`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import __version__, gpus
+
+DESCRIPTION = """\
+smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
+more shared memory per block than the GPU has. Run vLLM with VLLM_PLUGINS=smemguard, or call
+smemguard.install() in your own program. These commands help you see what it does.
+"""
+
+EPILOG = """\
+examples:
+  smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
+  smemguard demo --gpu T4        the same against a T4's 65536-byte limit
+  smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
+
+settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
+SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>. See the README.
+"""
+
+
+def _gpus(args) -> int:
+    rows = [(g.name, ", ".join(g.aliases) or "-", g.arch, str(g.max_shared)) for g in gpus.GPUS]
+    if args.json:
+        print(json.dumps([{"name": g.name, "aliases": list(g.aliases), "arch": g.arch, "max_shared": g.max_shared}
+                          for g in gpus.GPUS], indent=2))
+        return 0
+    header = ("GPU", "aliases", "arch", "bytes/block")
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _step(text: str) -> float:
+    print(text, flush=True)
+    return time.perf_counter()
+
+
+def _done(started: float, result: str) -> None:
+    print(f"   -> {result} ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def _demo(args) -> int:
+    gpu = gpus.lookup(args.gpu)
+    if gpu is None or gpu.capability is None:
+        print(f"smemguard demo: {args.gpu!r} is not an NVIDIA GPU from 'smemguard gpus'", file=sys.stderr)
+        return 2
+    import torch
+    import triton
+    from triton.runtime.errors import OutOfResources
+
+    import smemguard
+    from .examples import autotuned_matmul, matmul_args, tiled_grid
+    from .settings import Settings
+    from .testing import fake_gpu
+
+    # Tiles sized for the demo GPU: the widest 4-stage config fits misaligned views but not aligned ones.
+    tile = 128 if gpu.max_shared > 80000 else 64
+    configs = [triton.Config(dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=64), num_stages=5, num_warps=4),
+               triton.Config(dict(BLOCK_M=tile // 2, BLOCK_N=tile // 2, BLOCK_K=32), num_stages=2, num_warps=4)]
+    n = 512
+    storage = torch.empty(n * n + 8, dtype=torch.float16)
+    aligned, misaligned = storage[: n * n].view(n, n), storage[1: n * n + 1].view(n, n)
+    b, c = torch.empty(n, n, dtype=torch.float16), torch.empty(n, n, dtype=torch.float16)
+    grid = tiled_grid(n, n)
+    print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
+          f"({gpu.arch}, {gpu.max_shared} B of shared memory per block); no kernel executes.\n")
+    incidents = Path(tempfile.mkdtemp(prefix="smemguard-demo-")) / "incidents.jsonl"
+    with fake_gpu(gpu.name) as device:
+        tuned = autotuned_matmul(configs)
+        # The fastest-looking config is the big one, as it would be on the GPU it was tuned for.
+        timings = iter([1.0, 2.0])
+        device.bench_ms = lambda: next(timings)
+        started = _step(f"1. autotune a {n}x{n} fp16 matmul over {len(configs)} configs on misaligned views")
+        tuned[grid](*matmul_args(misaligned, b, c))
+        won = device.launches[-1]
+        _done(started, f"winner {tile}x{tile}x64, {won.num_stages} stages, {won.shared} B")
+
+        started = _step("2. the same shape with 16-byte-aligned tensors, without smemguard")
+        try:
+            tuned[grid](*matmul_args(aligned, b, c))
+            _done(started, "it fit: nothing to show on this GPU")
+            return 1
+        except OutOfResources as error:
+            _done(started, f"OutOfResources: {error.name}, Required: {error.required}, Hardware limit: {error.limit}")
+
+        smemguard.install(Settings(log_path=incidents))
+        try:
+            started = _step("3. the same launch with smemguard installed")
+            tuned[grid](*matmul_args(aligned, b, c))
+            fixed = device.launches[-1]
+            _done(started, f"ran with {fixed.num_stages} stages, {fixed.shared} B, grid {fixed.grid}")
+
+            started = _step("4. again (remembered: no exception, no compile)")
+            tuned[grid](*matmul_args(aligned, b, c))
+            _done(started, f"ran with {device.launches[-1].num_stages} stages")
+        finally:
+            smemguard.uninstall()
+    record = json.loads(incidents.read_text().splitlines()[0])
+    print(f"\nincident record ({incidents}):")
+    for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
+        print(f"  {field:12} {record[field]}")
+    print(f"  {'attempts':12} " + "; ".join(f"{a['config'].split()[-1]}: {a['required']} B" for a in record["attempts"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="smemguard", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser("demo", help="reproduce a small GPU's overflow here (no GPU needed) and recover it",
+                               description="Autotunes an example matmul on misaligned views, then launches it on "
+                                           "aligned tensors of the same shape: the winner overflows, first without "
+                                           "smemguard, then recovered by it. Triton compiles for real; the "
+                                           "stand-in GPU executes nothing.")
+    demo.add_argument("--gpu", default="L4", help="NVIDIA GPU to stand in for (default: L4; see 'smemguard gpus')")
+    demo.set_defaults(run=_demo)
+    table = commands.add_parser("gpus", help="list the GPUs smemguard knows and their per-block shared-memory limits",
+                                description="The per-block opt-in shared-memory limit Triton checks, per GPU. Any "
+                                            "name or alias is accepted by SMEMGUARD_MAX_SHARED.")
+    table.add_argument("--json", action="store_true", help="machine-readable output")
+    table.set_defaults(run=_gpus)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

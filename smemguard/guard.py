@@ -1,0 +1,162 @@
+"""Installing and removing the guard: idempotent, under one lock, all or nothing.
+
+If Triton is not imported yet, :func:`install` registers a post-import hook and patches
+when it is. Any failure rolls back what was patched, logs one line and leaves Triton as it
+was (``strict`` mode raises instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from . import __version__, settings as settings_module
+from .settings import Settings, SettingsError
+
+log = logging.getLogger("smemguard")
+
+_lock = threading.RLock()
+_active: Settings | None = None  # the settings the guard was installed with
+_pending: Settings | None = None  # waiting for "import triton"
+_hook_registered = False
+_reported_problems: set[str] = set()
+
+
+def _patch_modules():
+    from .patches import autotuner_bench, kernel_interface, max_shared_mem
+
+    return autotuner_bench, kernel_interface, max_shared_mem
+
+
+def _fail(message: str, settings: Settings) -> bool:
+    if settings.mode == "strict":
+        raise SettingsError(message)
+    log.warning("%s", message)
+    return False
+
+
+def _on_out_of_resources(kernel, grid, args, kwargs, error):
+    from . import recovery
+
+    settings = _active
+    if settings is None:  # uninstalled while another tool's layer kept our launcher alive
+        raise error
+    return recovery.handle(kernel, grid, args, kwargs, error, settings)
+
+
+def _patch(settings: Settings) -> bool:
+    global _active
+    from .patches import supported_range, triton_supported, triton_version
+
+    version = triton_version()
+    if not triton_supported(version):
+        return _fail(f"smemguard {__version__}: Triton {version} is outside the checked range {supported_range()}; "
+                     "Triton is left untouched and kernels run unguarded. Fix: upgrade smemguard.", settings)
+    autotuner_bench, kernel_interface, max_shared_mem = _patch_modules()
+    applied = []
+    try:
+        if settings.max_shared is not None:
+            max_shared_mem.patch(settings.max_shared)
+            applied.append(max_shared_mem)
+        autotuner_bench.patch()
+        applied.append(autotuner_bench)
+        kernel_interface.patch(_on_out_of_resources)
+        applied.append(kernel_interface)
+    except Exception as error:
+        for module in reversed(applied):
+            try:
+                module.unpatch()
+            except Exception:
+                log.debug("smemguard: rollback of %s failed", module.__name__, exc_info=True)
+        return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
+                     "Triton is left untouched and kernels run unguarded.", settings)
+    _active = settings
+    log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
+             settings.describe_limit())
+    return True
+
+
+def _on_triton_imported(module) -> None:
+    """Post-import hook: must never raise, or it breaks the user's ``import triton``."""
+    global _pending
+    with _lock:
+        settings, _pending = _pending, None
+        if settings is None:
+            return
+        try:
+            _patch(settings)
+        except SettingsError as error:  # strict: the user asked for a loud failure, but not a broken import
+            log.error("%s", error)
+        except Exception:
+            log.warning("smemguard: install after 'import triton' failed; kernels run unguarded", exc_info=True)
+
+
+def _report(settings: Settings) -> None:
+    new = [p for p in settings.problems if p not in _reported_problems]
+    _reported_problems.update(new)
+    if settings.mode == "strict" and settings.problems:
+        raise SettingsError("smemguard: " + " ".join(settings.problems))
+    for problem in new:
+        log.warning("smemguard: %s", problem)
+
+
+def install(settings: Settings | None = None) -> bool:
+    """Guard every Triton launch in this process. Idempotent and thread-safe.
+
+    ``settings`` defaults to the environment (:mod:`smemguard.settings`). Returns True when
+    the guard is installed, or will be once Triton is imported; False when it is off or
+    could not be installed (the reason is logged). In ``strict`` mode a misconfiguration
+    raises :class:`~smemguard.settings.SettingsError` instead.
+    """
+    global _pending, _hook_registered
+    settings = settings or settings_module.current()
+    with _lock:
+        if _active is not None or _pending is not None:
+            return True
+        _report(settings)
+        if not settings.enabled:
+            log.info("smemguard %s is off (SMEMGUARD=off)", __version__)
+            return False
+        if "triton" not in sys.modules:
+            _pending = settings
+            if not _hook_registered:
+                import wrapt
+
+                wrapt.register_post_import_hook(_on_triton_imported, "triton")
+                _hook_registered = True
+            log.debug("smemguard: will install when triton is imported")
+            return True
+        return _patch(settings)
+
+
+def uninstall() -> None:
+    """Remove exactly what :func:`install` added; safe to call at any time, any number of times."""
+    global _active, _pending
+    with _lock:
+        _pending = None
+        _active = None
+        if "triton" not in sys.modules:
+            return  # nothing was patched yet, and removing nothing must not import Triton
+        from . import recovery
+
+        recovery.forget()
+        for module in reversed(_patch_modules()):
+            try:
+                module.unpatch()
+            except Exception:
+                log.warning("smemguard: could not remove the patch of %s", module.__name__, exc_info=True)
+
+
+def is_installed() -> bool:
+    """True when every Triton launch in this process is guarded now."""
+    with _lock:
+        if _active is None:
+            return False
+    from .patches import kernel_interface
+
+    return kernel_interface.is_patched()
+
+
+def active_settings() -> Settings | None:
+    return _active

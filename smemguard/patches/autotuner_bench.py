@@ -1,0 +1,76 @@
+"""Autotuner timings per tuning key: wraps ``triton.runtime.autotuner.Autotuner._bench``.
+
+Why: when a tuned config overflows at launch, recovery prefers the next config the
+autotuner itself timed fastest *for that key*. Triton keeps only the timings of the last
+key it tuned (``configs_timings``), so we note each measurement as ``_bench`` returns it.
+The wrapper observes and returns ``_bench``'s result untouched: overflowing configs stay
+infinitely slow to the autotuner. It runs only while tuning, never on a launch.
+
+Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
+``_bench(self, *args, config, **meta)`` returns a list of quantiles (median first) or
+``[inf, inf, inf]``, and the tuning key is computed the same way in every one of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+
+from . import find_wrapper, unwrap, wrap
+
+log = logging.getLogger(__name__)
+
+MODULE = "triton.runtime.autotuner"
+TARGET = "Autotuner._bench"
+
+# autotuner -> {tuning key -> {config -> median ms}}
+_timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The key ``Autotuner.run`` files a tuned config under: the ``key=`` argument values, then
+    the dtype of every argument that has one."""
+    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
+    named = {name: value for name, value in named.items() if name in autotuner.arg_names}
+    key = [named[name] for name in autotuner.keys if name in named]
+    key.extend(str(value.dtype) for value in named.values() if hasattr(value, "dtype"))
+    return tuple(key)
+
+
+def _record(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        median = result[0] if isinstance(result, (list, tuple)) else result
+        meta = {name: value for name, value in kwargs.items() if name != "config"}
+        key = tuning_key(instance, args, meta)
+        with _lock:
+            _timings.setdefault(instance, {}).setdefault(key, {})[kwargs["config"]] = float(median)
+    except Exception:  # bookkeeping only: never disturb tuning
+        log.debug("could not record an autotuner timing", exc_info=True)
+    return result
+
+
+def timings(autotuner, key: tuple) -> dict:
+    """{config: median ms} measured for ``key`` (inf for configs that failed), possibly empty."""
+    with _lock:
+        return dict(_timings.get(autotuner, {}).get(key, {}))
+
+
+def failed_in_tuning(autotuner, key: tuple, config) -> bool:
+    return math.isinf(timings(autotuner, key).get(config, 0.0))
+
+
+def patch() -> None:
+    if not is_patched():
+        wrap(MODULE, TARGET, _record)
+
+
+def unpatch() -> None:
+    unwrap(MODULE, TARGET, _record)
+
+
+def is_patched() -> bool:
+    return find_wrapper(MODULE, TARGET, _record) is not None

@@ -1,0 +1,80 @@
+"""Launch guard: replaces ``triton.runtime.jit.KernelInterface.__getitem__``.
+
+Why: ``kernel[grid](*args)`` is how JIT functions, autotuners and heuristics are launched;
+``__getitem__`` returns a small closure that calls ``kernel.run(grid=grid, warmup=False, ...)``.
+Our closure is the same call inside a ``try``, whose ``except OutOfResources`` hands the
+failed launch (kernel object, grid, arguments) to :mod:`smemguard.recovery`. The error is
+raised on the host before anything is enqueued (``CompiledKernel._init_handles``), so the
+launch can be retried with the same buffers.
+
+Why not a wrapt wrapper here, unlike the other patches: this sits on every kernel launch,
+and a ``try`` costs nothing until it catches (CPython 3.11+), while a wrapt descriptor
+adds a bound-wrapper object and two calls to each launch (see
+``benchmarks/launch_overhead.py``). The replacement is a plain function that builds the
+same closure the original builds, so a healthy launch runs the same number of Python frames.
+
+Launches that bypass ``__getitem__`` (``kernel.run(..., grid=g, warmup=False)`` directly,
+the autotuner's benchmarking, ``CompiledKernel[grid]``) are not guarded; the autotuner must
+keep seeing overflowing configs as infinitely slow.
+
+Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0: ``__getitem__`` is
+defined once, on ``KernelInterface``, and no subclass in Triton overrides it.
+"""
+
+from __future__ import annotations
+
+MODULE = "triton.runtime.jit"
+TARGET = "KernelInterface.__getitem__"
+
+_original = None
+
+
+def _kernel_interface():
+    from triton.runtime.jit import KernelInterface
+
+    return KernelInterface
+
+
+def _make_guarded_getitem(out_of_resources, on_out_of_resources):
+
+    def __getitem__(self, grid):
+
+        def launch(*args, **kwargs):
+            try:
+                return self.run(grid=grid, warmup=False, *args, **kwargs)
+            except out_of_resources as error:
+                return on_out_of_resources(self, grid, args, kwargs, error)
+
+        return launch
+
+    __getitem__.__smemguard__ = True
+    return __getitem__
+
+
+def patch(on_out_of_resources) -> None:
+    """Route every ``OutOfResources`` of a ``kernel[grid](...)`` launch to ``on_out_of_resources``.
+
+    ``on_out_of_resources(kernel, grid, args, kwargs, error)`` returns what the launch returns
+    or raises.
+    """
+    global _original
+    if is_patched():
+        return
+    from triton.runtime.errors import OutOfResources
+
+    cls = _kernel_interface()
+    _original = cls.__dict__["__getitem__"]
+    cls.__getitem__ = _make_guarded_getitem(OutOfResources, on_out_of_resources)
+
+
+def unpatch() -> None:
+    global _original
+    if not is_patched():
+        return
+    cls = _kernel_interface()
+    cls.__getitem__ = _original
+    _original = None
+
+
+def is_patched() -> bool:
+    return getattr(_kernel_interface().__dict__.get("__getitem__"), "__smemguard__", False)

@@ -1,0 +1,519 @@
+"""What smemguard does when a guarded launch raises ``OutOfResources``.
+
+In order, deciding with each candidate's *compiled* ``metadata.shared`` (compile only; a
+kernel is never launched to find out whether it fits):
+
+1. the same kernel with fewer ``num_stages`` (fewer ``num_warps`` for "threads"): grid and
+   tiles unchanged, results bitwise identical. The replacement is stored in the JIT cache
+   under the failing kernel's key, so later launches run it with no extra work;
+2. for autotuned kernels, another config of the kernel's own list: the fastest the autotuner
+   timed for this key, else the largest tile; its ``pre_hook`` runs, the grid is recomputed
+   from it, and the autotuner's cached choice for the key is updated;
+3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
+4. otherwise the original ``OutOfResources`` is re-raised, with a note saying what was tried.
+
+Tile sizes of a plain ``@triton.jit`` kernel are never changed: its grid was computed by
+the caller from them. Only launches whose layers are Triton's own (JIT function, autotuner,
+heuristics) are retried, because each of those launches exactly one kernel and enqueues
+nothing before the check fails.
+
+A decision is taken once per failing compiled kernel (under a lock, so concurrent threads
+compile the candidates once) and applied the same way on every later launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import incidents, registry
+from .patches import autotuner_bench, max_shared_mem, triton_version
+
+log = logging.getLogger("smemguard")
+
+#: Candidate compiles allowed for one incident; compiles take seconds, and a kernel with a
+#: large config list must not stall a server for minutes.
+MAX_CANDIDATES = 16
+
+STAGES_REDUCED = "stages_reduced"
+WARPS_REDUCED = "warps_reduced"
+CONFIG_CHANGED = "config_changed"
+FALLBACK = "fallback"
+RERAISED = "reraised"
+OBSERVED = "observed"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    config: str
+    required: int | None
+    limit: int | None
+    fits: bool
+    error: str | None = None
+
+    def summary(self) -> str:
+        if self.error:
+            return f"{self.config}: {self.error}"
+        verdict = "fits" if self.fits else "too big"
+        return f"{self.config}: {self.required} B ({verdict})"
+
+
+@dataclass
+class Launch:
+    """A failed launch, resolved down to the JIT function it reached."""
+
+    launched: Any  # what the user indexed: JIT function, autotuner or heuristics
+    grid: Any
+    args: tuple
+    kwargs: dict
+    jit: Any
+    jit_kwargs: dict  # the kwargs ``jit.run`` received
+    autotuner: Any = None
+    tuning_key: tuple | None = None
+    config: Any = None  # the autotuner config in force
+    tuner_kwargs: dict = field(default_factory=dict)  # the kwargs the autotuner layer received
+
+    def named_args(self) -> dict:
+        """Every kernel parameter by name, as the kernel sees it."""
+        named = {param.name: param.default for param in self.jit.params if param.has_default}
+        named.update(zip(self.jit.arg_names, self.args))
+        named.update((name, value) for name, value in self.jit_kwargs.items() if name in self.jit.arg_names)
+        return named
+
+    def run_config_pre_hook(self) -> None:
+        if self.config is not None and self.config.pre_hook is not None:
+            nargs = dict(zip(self.autotuner.arg_names, self.args))
+            self.config.pre_hook({**nargs, **self.tuner_kwargs, **self.config.all_kwargs()})
+
+    def compile(self, **options):
+        return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
+
+    def relaunch(self):
+        self.run_config_pre_hook()
+        return self.jit.run(*self.args, grid=self.grid, warmup=False, **self.jit_kwargs)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    attempts: tuple[Attempt, ...]
+    config: Any = None  # the autotuner config chosen (CONFIG_CHANGED)
+    fallback: Callable[..., Any] | None = None
+    final: str | None = None  # the config that runs now
+    record: str | None = None  # where the incident record went
+    reason: str = ""  # why nothing else was possible (RERAISED)
+    replacement: Any = None  # the compiled kernel that runs instead (STAGES_REDUCED, WARPS_REDUCED)
+
+
+def _runs_as(layer, cls) -> bool:
+    """True when ``layer`` is a ``cls`` whose ``run`` is Triton's (possibly patched) own."""
+    return isinstance(layer, cls) and type(layer).run is cls.run
+
+
+def _config_in_force(autotuner, key):
+    if len(autotuner.configs) > 1 and key in autotuner.cache:
+        return autotuner.cache[key]
+    return getattr(autotuner, "best_config", None) or autotuner.configs[0]
+
+
+def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
+    """Follow heuristics and autotuner layers down to the JIT function, as their ``run`` would.
+
+    ``config`` replaces the autotuner's choice. None when a layer is not Triton's own.
+    """
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    layer, kw = launched, dict(kwargs)
+    autotuner = key = chosen = None
+    tuner_kwargs: dict = {}
+    while not isinstance(layer, JITFunction):
+        if _runs_as(layer, Heuristics):
+            for name, heuristic in layer.values.items():
+                kw[name] = heuristic({**dict(zip(layer.arg_names, args)), **kw})
+        elif _runs_as(layer, Autotuner) and autotuner is None:
+            autotuner, tuner_kwargs = layer, dict(kw)
+            key = autotuner_bench.tuning_key(layer, args, kw)
+            chosen = config if config is not None else _config_in_force(layer, key)
+            kw = {**kw, **chosen.all_kwargs()}
+        else:
+            return None
+        layer = layer.fn
+    return Launch(launched, grid, args, kwargs, layer, kw, autotuner, key, chosen, tuner_kwargs)
+
+
+def _current_device() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+def _check(kernel) -> tuple[bool, int, int]:
+    """Whether Triton would load ``kernel`` now: its own ``_init_handles`` checks, no launch."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        kernel._init_handles()
+    except OutOfResources as error:
+        return False, error.required, error.limit
+    # A kernel that failed the "threads" check stays loaded, so _init_handles returns early on it.
+    threads = kernel.metadata.num_warps * getattr(kernel.metadata, "warp_size", 32)
+    if threads > kernel.n_max_threads:
+        return False, threads, kernel.n_max_threads
+    return True, kernel.metadata.shared, max_shared_mem.effective_limit(_current_device())
+
+
+def describe(launch: Launch, kernel=None) -> str:
+    """``BLOCK_M=128 BLOCK_N=64 num_warps=4 num_stages=3``: the constexprs and the options in force."""
+    constexprs = launch.named_args()
+    parts = [f"{p.name}={constexprs.get(p.name)}" for p in launch.jit.params
+             if p.is_constexpr and isinstance(constexprs.get(p.name), (int, str, bool))]
+    if kernel is not None:
+        parts += [f"num_warps={kernel.metadata.num_warps}", f"num_stages={kernel.metadata.num_stages}"]
+    return " ".join(parts)
+
+
+def _try(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
+    try:
+        kernel = launch.compile(**options)
+    except Exception as error:  # this candidate does not compile (CompilationError, PTXASError): not a fit
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        return None, Attempt(label, None, None, False, f"{type(error).__name__}: {first_line}")
+    fits, required, limit = _check(kernel)
+    return kernel, Attempt(describe(launch, kernel), required, limit, fits)
+
+
+def _option_ladder(failing, resource: str):
+    """Option-only changes, most conservative first: they keep the grid and the tiles."""
+    if resource == "threads":
+        warps = failing.metadata.num_warps // 2
+        while warps >= 1:
+            yield "num_warps", warps
+            warps //= 2
+    else:
+        for stages in range(failing.metadata.num_stages - 1, 0, -1):
+            yield "num_stages", stages
+
+
+def _tile_size(config) -> int:
+    blocks = [v for k, v in config.kwargs.items() if isinstance(v, int) and ("BLOCK" in k.upper() or "TILE" in k.upper())]
+    return math.prod(blocks) if blocks else 0
+
+
+def _candidate_configs(launch: Launch):
+    """The autotuner's other configs, as-is first, then with fewer stages.
+
+    Order: timed fastest for this key first, then untimed ones by tile size (largest first);
+    configs that already failed while tuning this key are only retried with fewer stages.
+    """
+    timings = autotuner_bench.timings(launch.autotuner, launch.tuning_key)
+    others = [c for c in launch.autotuner.configs if c != launch.config]
+    timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
+    untimed = sorted((c for c in others if c not in timings),
+                     key=lambda c: (_tile_size(c), c.num_stages, c.num_warps), reverse=True)
+    failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
+    yield from timed
+    yield from untimed
+    for config in (*timed, *untimed, *failed):
+        for stages in range(config.num_stages - 1, 0, -1):
+            variant = copy.copy(config)
+            variant.num_stages = stages
+            yield variant
+
+
+def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
+    """Put ``replacement`` under every key whose kernel is a compile of ``failing``.
+
+    Matching by compile hash, not identity: threads that missed the JIT cache together each
+    compiled (and stored) their own copy of the failing kernel.
+    """
+    kernel_cache = launch.jit.device_caches[_current_device()][0]
+    for key, kernel in list(kernel_cache.items()):
+        if kernel.hash == failing.hash:
+            kernel_cache[key] = replacement
+
+
+def _decide(launch: Launch, failing, error) -> Decision:
+    attempts = [Attempt(describe(launch, failing), error.required, error.limit, False)]
+    budget = MAX_CANDIDATES
+
+    for option, value in _option_ladder(failing, error.name):
+        if budget == 0:
+            break
+        budget -= 1
+        kernel, attempt = _try(launch, f"{option}={value}", **{option: value})
+        attempts.append(attempt)
+        if attempt.fits:
+            action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
+            return Decision(action, tuple(attempts), final=attempt.config, replacement=kernel)
+
+    if launch.autotuner is not None and len(launch.autotuner.configs) > 1:
+        for config in _candidate_configs(launch):
+            if budget == 0:
+                break
+            budget -= 1
+            candidate = resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
+            # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
+            candidate.run_config_pre_hook()
+            kernel, attempt = _try(candidate, str(config))
+            attempts.append(attempt)
+            if attempt.fits:
+                launch.autotuner.cache[launch.tuning_key] = config
+                return Decision(CONFIG_CHANGED, tuple(attempts), config=config, final=attempt.config)
+
+    fallback = registry.fallback_for(launch.jit)
+    if fallback is not None:
+        return Decision(FALLBACK, tuple(attempts), fallback=fallback, final=f"fallback {_name(fallback)}")
+
+    if launch.autotuner is None:
+        reason = ("tile sizes of a plain @triton.jit kernel are never changed (its grid may be computed from "
+                  "them); register a fallback with smemguard.register_fallback")
+    elif budget == 0:
+        reason = f"stopped after {MAX_CANDIDATES} candidate compiles; register a fallback with smemguard.register_fallback"
+    else:
+        reason = "no config of the autotuner fits; register a fallback with smemguard.register_fallback"
+    return Decision(RERAISED, tuple(attempts), reason=reason)
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# launched object -> {(compile hash of the failing kernel, device, limit, tuning key, fallback): case}.
+# Keyed by what was compiled, not by the kernel object: concurrent first launches each
+# compile their own copy. Entries go with the kernel object they belong to.
+_cases: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_cases_guard = threading.Lock()
+
+
+@dataclass
+class _Case:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    decision: Decision | None = None
+
+
+def _case_for(launch: Launch, failing) -> _Case:
+    device = _current_device()
+    key = (failing.hash, device, max_shared_mem.effective_limit(device), launch.tuning_key,
+           registry.fallback_for(launch.jit))
+    with _cases_guard:
+        return _cases.setdefault(launch.launched, {}).setdefault(key, _Case())
+
+
+def forget() -> None:
+    """Drop every remembered decision (``uninstall`` does); kernels already replaced in Triton's
+    JIT cache stay replaced, since they compute the same results."""
+    with _cases_guard:
+        _cases.clear()
+
+
+def _apply(decision: Decision, launch: Launch, failing, error):
+    if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
+        _replace_in_jit_cache(launch, failing, decision.replacement)
+        return launch.relaunch()
+    if decision.action == CONFIG_CHANGED:
+        return resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=decision.config).relaunch()
+    if decision.action == FALLBACK:
+        try:
+            decision.fallback(**launch.named_args())
+        except Exception as fallback_error:
+            _add_note(error, f"smemguard: the registered fallback {_name(decision.fallback)} raised "
+                      f"{type(fallback_error).__name__}: {fallback_error}")
+            raise error from fallback_error
+        return None
+    _add_note(error, _explain(launch, decision, error))
+    raise error
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: same attribute, shown by tools that know PEP 678
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def handle(launched, grid, args, kwargs, error, settings):
+    """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
+
+    Internal failures are logged and end in re-raising ``error`` itself, never another one.
+    """
+    started = time.perf_counter()
+    try:
+        launch = resolve(launched, grid, args, kwargs)
+        failing = launch.compile() if launch is not None else None
+    except Exception:
+        log.debug("smemguard: could not resolve the failed launch; re-raising", exc_info=True)
+        raise error
+    if launch is None:
+        _record(None, launched, None, error, Decision(RERAISED, (), reason=f"{type(launched).__name__} is not a "
+                "Triton JIT function, autotuner or heuristics: it may launch more than one kernel, so it is "
+                "not retried"), started, settings)
+        raise error
+
+    if settings.observe_only:
+        _record(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings)
+        raise error
+
+    if _check(failing)[0]:  # another thread already put a kernel that fits in its place
+        return launch.relaunch()
+
+    case = _case_for(launch, failing)
+    with case.lock:
+        if case.decision is None:
+            try:
+                decision = _decide(launch, failing, error)
+            except Exception:
+                log.warning("smemguard: internal error while recovering %s; re-raising the original error",
+                            registry.kernel_name(launch.jit), exc_info=True)
+                raise error
+            case.decision = _record(launch, launched, failing, error, decision, started, settings)
+    return _apply(case.decision, launch, failing, error)
+
+
+def _arg_record(value) -> Any:
+    if hasattr(value, "data_ptr") and hasattr(value, "shape"):
+        return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype),
+                "ptr_mod_16": value.data_ptr() % 16}
+    if hasattr(value, "base") and hasattr(value, "block_shape"):  # TMA tensor descriptor
+        return {"descriptor": True, "base": _arg_record(value.base), "shape": [int(s) for s in value.shape],
+                "strides": [int(s) for s in value.strides], "block_shape": list(value.block_shape)}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _specialization(launch: Launch, named: dict) -> dict:
+    """What Triton specializes on, per argument: == 1 and divisibility by 16."""
+    spec = {}
+    for param in launch.jit.params:
+        value = named.get(param.name)
+        if param.is_constexpr or getattr(param, "do_not_specialize", False):
+            continue
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            spec[param.name] = "==1" if value == 1 else ("div16" if value % 16 == 0 else "")
+        elif hasattr(value, "data_ptr"):
+            spec[param.name] = "div16" if value.data_ptr() % 16 == 0 else ""
+    return spec
+
+
+def _device_record(device: int) -> dict:
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    name = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(device)
+    except Exception:
+        log.debug("no device name", exc_info=True)
+    return {"name": name, "backend": target.backend, "arch": target.arch, "index": device}
+
+
+def _rank() -> int | None:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _record(launch, launched, failing, error, decision: Decision, started: float, settings) -> Decision:
+    """Write the incident record and the one-line warning; return the decision with its location."""
+    import os
+
+    elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
+    device = _current_device()
+    kernel = registry.kernel_name(launch.jit if launch is not None else launched)
+    record: dict[str, Any] = {
+        "schema": incidents.SCHEMA,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "pid": os.getpid(),
+        "host": incidents.host(),
+        "rank": _rank(),
+        "kernel": kernel,
+        "launched_as": type(launched).__name__,
+        "triton": triton_version(),
+        "device": _device_record(device),
+        "limit": {"device": max_shared_mem.device_limit(device), "emulated": max_shared_mem.emulated_limit()},
+        "resource": error.name,
+        "required": error.required,
+        "limit_hit": error.limit,
+        "action": decision.action,
+        "final": decision.final,
+        "reason": decision.reason or None,
+        "attempts": [vars(a) for a in decision.attempts],
+        "recovery_ms": elapsed_ms,
+    }
+    if launch is not None:
+        code = launch.jit.fn.__code__
+        named = launch.named_args()
+        constexpr_names = {p.name for p in launch.jit.params if p.is_constexpr}
+        record.update({
+            "source": f"{code.co_filename}:{code.co_firstlineno}",
+            "source_hash": hashlib.sha256(launch.jit.src.encode()).hexdigest()[:16],
+            "constexprs": {k: _arg_record(v) for k, v in named.items() if k in constexpr_names},
+            "num_warps": failing.metadata.num_warps,
+            "num_stages": failing.metadata.num_stages,
+            "config": describe(launch, failing),
+            "grid": _grid_record(launch.grid, named),
+            "args": {k: _arg_record(v) for k, v in named.items() if k not in constexpr_names},
+            "specialization": _specialization(launch, named),
+            "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
+        })
+    where = incidents.write(record, settings.log_path)
+    incidents.warn_once(
+        (kernel, device, record.get("config")),
+        "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms%s",
+        kernel, error.name, error.required, error.limit, record.get("config") or "?",
+        _action_text(decision), max(len(decision.attempts) - 1, 0), elapsed_ms,
+        f"; record {where}" if where else "")
+    log.debug("smemguard incident: %s", record)
+    return dataclasses.replace(decision, record=where)
+
+
+def _grid_record(grid, named: dict):
+    try:
+        return list(grid(named) if callable(grid) else grid)
+    except Exception:
+        return str(grid)
+
+
+def _action_text(decision: Decision) -> str:
+    return {
+        STAGES_REDUCED: f"recovered with {decision.final}",
+        WARPS_REDUCED: f"recovered with {decision.final}",
+        CONFIG_CHANGED: f"switched to config {decision.final}",
+        FALLBACK: f"ran {decision.final}",
+        OBSERVED: "observed only (SMEMGUARD=observe)",
+        RERAISED: "re-raised: " + decision.reason,
+    }[decision.action]
+
+
+def _explain(launch: Launch, decision: Decision, error) -> str:
+    named = launch.named_args()
+    code = launch.jit.fn.__code__
+    tensors = ", ".join(f"{k}: {v['dtype']}{v['shape']} stride {v['stride']}" for k, v in
+                        ((k, _arg_record(v)) for k, v in named.items()) if isinstance(v, dict) and "dtype" in v)
+    lines = [
+        f"smemguard could not recover {registry.kernel_name(launch.jit)} ({code.co_filename}:{code.co_firstlineno}):",
+        f"  {error.name}: required {error.required}, limit {error.limit}",
+        f"  tensors: {tensors or 'none'}",
+        "  tried: " + ("; ".join(a.summary() for a in decision.attempts) or "nothing"),
+        f"  {decision.reason}",
+    ]
+    if decision.record:
+        lines.append(f"  incident record: {decision.record}")
+    return "\n".join(lines)

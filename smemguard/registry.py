@@ -1,0 +1,45 @@
+"""What users (and ``smemguard.patches``) tell smemguard about their kernels."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+_fallbacks: dict[str, Callable[..., Any]] = {}
+_lock = threading.Lock()
+
+
+def kernel_name(kernel) -> str:
+    """``module:qualname`` of the Triton function under any autotuner/heuristics layers, or the
+    string given."""
+    if isinstance(kernel, str):
+        return kernel
+    fn = kernel
+    while not hasattr(fn, "__code__") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def register_fallback(kernel, fallback: Callable[..., Any]) -> None:
+    """Run ``fallback`` instead of ``kernel`` when no config of it fits the GPU.
+
+    ``kernel`` is a ``@triton.jit`` function, an autotuned or heuristics-wrapped one, or its
+    ``"module:qualname"``. ``fallback`` receives the launch's arguments by parameter name
+    (tensors, scalars and constexprs, as the kernel would) and must write the kernel's outputs
+    in place, e.g. ``lambda a_ptr, b_ptr, c_ptr, **_: torch.mm(a_ptr, b_ptr, out=c_ptr)``.
+    Its return value is ignored. Registering again replaces the previous fallback.
+    """
+    if not callable(fallback):
+        raise TypeError(f"fallback must be callable, not {type(fallback).__name__}")
+    with _lock:
+        _fallbacks[kernel_name(kernel)] = fallback
+
+
+def unregister_fallback(kernel) -> None:
+    with _lock:
+        _fallbacks.pop(kernel_name(kernel), None)
+
+
+def fallback_for(kernel) -> Callable[..., Any] | None:
+    with _lock:
+        return _fallbacks.get(kernel_name(kernel))

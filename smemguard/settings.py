@@ -1,0 +1,173 @@
+"""Every environment variable smemguard reads, parsed once into a frozen :class:`Settings`.
+
+This is the only module that reads ``os.environ``. A malformed value never stops the
+process: it becomes one problem line (naming the variable, the bad value and what is
+accepted), the setting keeps its default, and :func:`smemguard.install` logs the line
+(or raises :class:`SettingsError` in ``strict`` mode).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from . import gpus
+
+#: ``on`` (default): recover from shared-memory overflows. ``off``: install nothing.
+#: ``observe``: write incident records and log, change nothing. ``strict``: like ``on``,
+#: but a misconfiguration (bad variable, unsupported Triton, failed patch) raises at install.
+MODE = "SMEMGUARD"
+MODES = ("on", "off", "observe", "strict")
+
+#: Emulated per-block shared-memory limit: bytes (``101376``) or a GPU name (``L20``).
+#: Triton then enforces min(device limit, this), so a big GPU fails like a small one.
+MAX_SHARED = "SMEMGUARD_MAX_SHARED"
+
+#: Path of the JSON-lines incident file. Unset: incidents are only logged.
+LOG = "SMEMGUARD_LOG"
+
+#: Where persisted decisions live; ``off`` disables persistence.
+#: Default: ``$XDG_CACHE_HOME/smemguard`` (``~/.cache/smemguard``).
+CACHE_DIR = "SMEMGUARD_CACHE_DIR"
+
+KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR)
+
+
+class SettingsError(ValueError):
+    """A malformed smemguard setting, raised only in ``strict`` mode."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "on"
+    max_shared: int | None = None  # emulated limit in bytes; None: the device's own
+    max_shared_label: str | None = None  # how the user named it: "L20", "101376"
+    log_path: Path | None = None
+    cache_dir: Path | None = None
+    problems: tuple[str, ...] = ()  # one line each, ready to log
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def observe_only(self) -> bool:
+        return self.mode == "observe"
+
+    def describe_limit(self) -> str:
+        if self.max_shared is None:
+            return "shared-memory limit from the device"
+        return f"shared-memory limit emulated at {self.max_shared} B ({MAX_SHARED}={self.max_shared_label})"
+
+
+def _problem(var: str, value: str, why: str, accepted: str) -> str:
+    return f"{var}={value!r} ignored: {why}; accepted: {accepted}. Using the default."
+
+
+def _parse_mode(value: str | None, problems: list[str]) -> str:
+    if value is None or value.strip() == "":
+        return "on"
+    mode = value.strip().lower()
+    if mode in MODES:
+        return mode
+    problems.append(_problem(MODE, value, "unknown mode", " | ".join(MODES)))
+    return "on"
+
+
+def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | None, str | None]:
+    if value is None or value.strip() == "":
+        return None, None
+    text = value.strip()
+    accepted = f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
+    if text.isdigit():
+        limit = int(text)
+        if limit <= 0:
+            problems.append(_problem(MAX_SHARED, value, "must be positive", accepted))
+            return None, None
+        return limit, text
+    gpu = gpus.lookup(text)
+    if gpu is None:
+        problems.append(_problem(MAX_SHARED, value, "neither a byte count nor a known GPU", accepted))
+        return None, None
+    return gpu.max_shared, gpu.name
+
+
+def _unwritable_reason(path: Path) -> str | None:
+    """Why ``path`` (a file or directory to be created on first use) cannot be written, or None."""
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "not writable"
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK):
+        return f"{ancestor} is not writable"
+    return None
+
+
+def _parse_log(value: str | None, problems: list[str]) -> Path | None:
+    if value is None or value.strip() == "":
+        return None
+    path = Path(value.strip()).expanduser()
+    accepted = "a writable file path, e.g. /var/log/smemguard/incidents.jsonl"
+    if path.is_dir():
+        problems.append(_problem(LOG, value, "is a directory", accepted))
+        return None
+    reason = _unwritable_reason(path)
+    if reason:
+        problems.append(_problem(LOG, value, reason, accepted) + " Incidents go to the log only.")
+        return None
+    return path
+
+
+def _default_cache_dir(environ: Mapping[str, str]) -> Path:
+    home = environ.get("HOME") or os.path.expanduser("~")
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    return Path(base) / "smemguard"
+
+
+def _parse_cache_dir(value: str | None, environ: Mapping[str, str], problems: list[str]) -> Path | None:
+    if value is not None and value.strip().lower() == "off":
+        return None
+    default = _default_cache_dir(environ)
+    if value is None or value.strip() == "":
+        return default
+    path = Path(value.strip()).expanduser()
+    reason = "is a file" if path.is_file() else _unwritable_reason(path)
+    if reason:
+        problems.append(_problem(CACHE_DIR, value, reason, f"a writable directory, or off (default {default})"))
+        return default
+    return path
+
+
+def _unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    lines = []
+    for name in sorted(environ):
+        if name.startswith("SMEMGUARD_") and name not in KNOWN:
+            guess = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.8)
+            hint = f" (did you mean {guess[0]}?)" if guess else ""
+            lines.append(f"{name} is not a smemguard setting{hint}; known: {', '.join(KNOWN)}.")
+    return lines
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse the settings from ``environ`` (default: the process environment). Never raises."""
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    mode = _parse_mode(environ.get(MODE), problems)
+    max_shared, label = _parse_max_shared(environ.get(MAX_SHARED), problems)
+    log_path = _parse_log(environ.get(LOG), problems)
+    cache_dir = _parse_cache_dir(environ.get(CACHE_DIR), environ, problems)
+    problems.extend(_unknown_variables(environ))
+    return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems))
+
+
+@functools.lru_cache(maxsize=1)
+def current() -> Settings:
+    """The process's settings, read from the environment on first use only."""
+    return load()

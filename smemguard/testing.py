@@ -1,0 +1,201 @@
+"""Run Triton's real launch path on a machine without a GPU, against any GPU's limit.
+
+``fake_gpu("L4")`` installs a small stand-in for Triton's CUDA driver. Everything above the
+driver is Triton's own: ``JITFunction.run``, the binder and its specialization, the compile
+for the chosen arch (ptxas ships in the Triton wheel), the JIT cache, the autotuner, and
+``CompiledKernel._init_handles``, which raises a genuine ``OutOfResources`` when the
+compiled kernel's shared memory exceeds the limit. Launches that pass the check are
+recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU.
+
+    from smemguard.testing import fake_gpu
+
+    with fake_gpu("L4") as gpu:
+        my_kernel[grid](x, y, n, BLOCK=256)   # raises OutOfResources if it would on an L4
+        print(gpu.launches[-1].shared)
+
+Checked against Triton 3.4 to 3.9.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from . import gpus
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+    shared: int
+
+
+@dataclass
+class FakeGpu:
+    """The stand-in device: its target, its limits and what was launched on it."""
+
+    arch: int
+    max_shared: int
+    multiprocessor_count: int = 132
+    max_threads: int = 1024
+    launches: list[Launch] = field(default_factory=list)
+    bench_ms: Callable[[], float] = lambda: 1.0
+
+
+class _Launcher:
+    """Takes the arguments of Triton's generated launcher, records the launch, runs nothing."""
+
+    def __init__(self, gpu: FakeGpu, metadata) -> None:
+        self._gpu = gpu
+        self._record = (metadata.name, metadata.num_warps, metadata.num_stages, metadata.shared)
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
+                 exit_hook, *args) -> None:
+        name, num_warps, num_stages, shared = self._record
+        self._gpu.launches.append(Launch(name, (grid_x, grid_y, grid_z), num_warps, num_stages, shared))
+
+
+class _Utils:
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self._gpu = gpu
+
+    def get_device_properties(self, device) -> dict:
+        gpu = self._gpu
+        return {
+            "max_shared_mem": gpu.max_shared,
+            "multiprocessor_count": gpu.multiprocessor_count,
+            "max_num_regs": 65536,
+            "warpSize": 32,
+            "sm_clock_rate": 1_980_000,
+            "mem_clock_rate": 2_619_000,
+            "mem_bus_width": 5120,
+        }
+
+    def load_binary(self, name, kernel, shared, device):
+        return _FakeModule(), object(), 32, 0, self._gpu.max_threads
+
+    def unload_module(self, module) -> None:
+        pass
+
+
+class _Driver:
+    """Duck-types the parts of Triton's ``DriverBase`` that compile and launch use."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self._gpu = gpu
+        self._target = GPUTarget("cuda", gpu.arch, 32)
+        self.utils = _Utils(gpu)
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        from triton.backends.nvidia.driver import ty_to_cpp
+
+        return ty_to_cpp(ty)
+
+    def get_current_target(self):
+        return self._target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def set_current_device(self, device) -> None:
+        pass
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        return divmod(self._gpu.arch, 10)
+
+    def get_benchmarker(self):
+        gpu = self._gpu
+
+        def bench(kernel_call, quantiles: Sequence[float] = (0.5, 0.2, 0.8), **kwargs):
+            kernel_call()
+            ms = gpu.bench_ms()
+            return [ms] * len(quantiles) if quantiles else ms
+
+        return bench
+
+    def launcher_cls(self, src, metadata) -> _Launcher:
+        return _Launcher(self._gpu, metadata)
+
+
+class _FakeModule:
+    """What ``load_binary`` returns as the module; marks kernels loaded on the stand-in."""
+
+
+def _forget_compiled_kernels() -> None:
+    """Drop every JIT function's compiled kernels and unlink kernels loaded on the stand-in.
+
+    Kernels compiled for another target must not be reused, and a kernel loaded by the fake
+    driver must not ask the real one to unload it when it is garbage-collected later.
+    """
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, JITFunction):
+            obj.device_caches.clear()
+        elif issubclass(kind, CompiledKernel) and isinstance(obj.__dict__.get("module"), _FakeModule):
+            obj.module = None
+
+
+@contextlib.contextmanager
+def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir: str | None = None,
+             max_threads: int = 1024) -> Iterator[FakeGpu]:
+    """Make Triton compile for and "launch" on a stand-in GPU.
+
+    ``gpu`` is a name from :mod:`smemguard.gpus` or an integer arch (89). ``max_shared``
+    overrides the table's limit. ``cache_dir`` is Triton's cache (default: a fresh temp dir).
+    """
+    from triton import knobs
+    from triton.compiler import compiler
+    from triton.runtime import driver
+
+    if isinstance(gpu, int):
+        arch, limit = gpu, max_shared
+    else:
+        known = gpus.lookup(gpu)
+        if known is None or known.capability is None:
+            raise ValueError(f"fake_gpu needs an NVIDIA GPU name from smemguard.gpus or an arch number, not {gpu!r}")
+        arch, limit = known.capability, max_shared or known.max_shared
+    if limit is None:
+        raise ValueError("fake_gpu(arch) needs max_shared=")
+    device = FakeGpu(arch=arch, max_shared=limit, max_threads=max_threads)
+    # The driver config is a plain object in every version; saving its fields restores
+    # exactly what was there, without creating the real driver on a machine that has none.
+    saved_driver = dict(vars(driver))
+    with contextlib.ExitStack() as stack:
+        if cache_dir is None:
+            cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="smemguard-triton-"))
+        stack.enter_context(knobs.cache.scope())
+        knobs.cache.dir = cache_dir
+        driver.set_active(_Driver(device))
+        compiler.max_shared_mem.cache_clear()
+        _forget_compiled_kernels()
+        try:
+            yield device
+        finally:
+            _forget_compiled_kernels()
+            vars(driver).clear()
+            vars(driver).update(saved_driver)
+            compiler.max_shared_mem.cache_clear()

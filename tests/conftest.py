@@ -1,0 +1,60 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import smemguard
+from smemguard import guard, incidents
+from smemguard.settings import Settings
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+@pytest.fixture(scope="session")
+def triton_cache(tmp_path_factory) -> str:
+    """One Triton cache for the whole run: the same kernel compiles once, whichever test asks first."""
+    return str(tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.fixture
+def incident_log(tmp_path) -> Path:
+    return tmp_path / "incidents.jsonl"
+
+
+@pytest.fixture
+def install_guard(incident_log):
+    """Install smemguard with the given settings (incidents to ``incident_log``); uninstall afterwards."""
+
+    def install(**fields) -> Settings:
+        fields.setdefault("log_path", incident_log)
+        settings = Settings(**fields)
+        assert smemguard.install(settings)
+        return settings
+
+    incidents._warned.clear()
+    yield install
+    smemguard.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _never_leave_the_guard_installed():
+    yield
+    if guard.active_settings() is not None:
+        smemguard.uninstall()
+        pytest.fail("a test left smemguard installed")
+
+
+def run_python(code: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (with the tests folder importable) and return the result."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), full_env.get("PYTHONPATH", "")])
+    full_env.update(env or {})
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
+                            text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result

@@ -1,0 +1,103 @@
+"""On a real GPU (the H200): recovery computes the right answer. Skipped without CUDA."""
+
+import json
+
+import pytest
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+import smemguard
+from smemguard.examples import (autotuned_matmul, matmul_args, matmul_kernel, matmul_persistent_kernel,
+                                tiled_grid)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+L20 = 101376
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def first_config_wins(kernel_call, quantiles):
+    """A do_bench that makes the first config that compiles the winner, as a replayed tuning result would."""
+    kernel_call()
+    first_config_wins.calls += 1
+    return [float(first_config_wins.calls)] * 3
+
+
+def test_autotune_trap_raises_without_smemguard_and_runs_correctly_with_it(install_guard, incident_log):
+    """Tuned on misaligned views (no cp.async: 65536 B), the winner needs far more on aligned tensors."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sizes below are for sm_90")
+    n = 1024
+    first_config_wins.calls = 0
+    tuned = autotuned_matmul([triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=64), num_stages=5, num_warps=8),
+                              triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_stages=3, num_warps=4)],
+                             do_bench=first_config_wins)
+    storage = torch.randn(n * n + 8, device="cuda", dtype=torch.float16)
+    aligned, misaligned = storage[: n * n].view(n, n), storage[1: n * n + 1].view(n, n)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    tuned[tiled_grid(n, n)](*matmul_args(misaligned, b, c))
+    assert tuned.best_config.kwargs["BLOCK_M"] == 256
+    with pytest.raises(OutOfResources) as caught:
+        tuned[tiled_grid(n, n)](*matmul_args(aligned, b, c))
+    assert caught.value.required > caught.value.limit
+
+    install_guard()
+    c.fill_(float("nan"))
+    tuned[tiled_grid(n, n)](*matmul_args(aligned, b, c))
+    torch.cuda.synchronize()
+    reference = (aligned.double() @ b.double())
+    assert not c.isnan().any(), "every element was written"
+    assert ((c.double() - reference).norm() / reference.norm()).item() < 1e-2
+    [record] = records(incident_log)
+    assert record["action"] in ("stages_reduced", "config_changed") and record["device"]["arch"] == 90
+
+
+def test_emulated_l20_recovery_is_bitwise_equal_to_the_original_config(install_guard, incident_log):
+    n = 2048
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4, num_warps=4)
+    original = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    kernel = matmul_kernel[(n // 128, n // 128)](*matmul_args(a, b, original), **meta)
+    assert kernel.metadata.shared > L20, "the original config must overflow an L20 for this test to mean anything"
+
+    matmul_kernel.device_caches.clear()  # forget the kernel that fits the H200
+    install_guard(max_shared=L20, max_shared_label="L20")
+    recovered = torch.full((n, n), float("nan"), device="cuda", dtype=torch.float16)
+    replacement = matmul_kernel[(n // 128, n // 128)](*matmul_args(a, b, recovered), **meta)
+    torch.cuda.synchronize()
+    assert replacement.metadata.num_stages < 4 and replacement.metadata.shared <= L20
+    assert torch.equal(recovered, original)
+    [record] = records(incident_log)
+    assert record["action"] == "stages_reduced" and record["limit"]["emulated"] == L20
+
+
+def test_batch_invariant_fp32_matmul_with_n_equal_1_stays_invariant(install_guard, incident_log):
+    """vLLM's batch-invariant case: persistent fp32 128x128x32, N == 1, on an emulated L20."""
+    k = 4096
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, NUM_SMS=sms, num_stages=4)
+    install_guard(max_shared=L20, max_shared_label="L20")
+    a = torch.randn(64, k, device="cuda", dtype=torch.float32)
+    b = torch.randn(k, 1, device="cuda", dtype=torch.float32)
+
+    def mm(rows):
+        out = torch.full((rows.shape[0], 1), float("nan"), device="cuda", dtype=torch.float32)
+        matmul_persistent_kernel[(sms,)](*matmul_args(rows, b, out), **meta)
+        return out
+
+    batch = mm(a)
+    single = torch.cat([mm(a[i: i + 1]) for i in range(64)])
+    torch.cuda.synchronize()
+    assert not batch.isnan().any()
+    assert torch.equal(single, batch), "row i must not depend on the batch size"
+    reference = a.double() @ b.double()
+    assert ((batch.double() - reference).norm() / reference.norm()).item() < 1e-2
+    actions = {r["action"] for r in records(incident_log)}
+    assert actions == {"stages_reduced"}, "4 stages of 128x128x32 fp32 overflow an L20 and were reduced"
