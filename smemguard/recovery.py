@@ -215,7 +215,7 @@ def _candidate_configs(launch: Launch):
     configs that already failed while tuning this key are only retried with fewer stages.
     """
     timings = autotuner_bench.timings(launch.autotuner, launch.tuning_key)
-    others = [c for c in launch.autotuner.configs if c != launch.config]
+    others = [c for c in _allowed_configs(launch) if c != launch.config]
     timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
     untimed = sorted((c for c in others if c not in timings),
                      key=lambda c: (_tile_size(c), c.num_stages, c.num_warps), reverse=True)
@@ -227,6 +227,20 @@ def _candidate_configs(launch: Launch):
             variant = copy.copy(config)
             variant.num_stages = stages
             yield variant
+
+
+def _allowed_configs(launch: Launch) -> list:
+    """The autotuner's configs that its own ``early_config_prune`` keeps for this launch.
+
+    A pruner may encode constraints of the kernel (a split that must divide K), so a config
+    it rejects is never a candidate.
+    """
+    tuner = launch.autotuner
+    prune = getattr(tuner, "early_config_prune", None)
+    if prune is None:
+        return list(tuner.configs)
+    named = dict(zip(tuner.arg_names, launch.args))
+    return list(prune(tuner.configs, named, **launch.tuner_kwargs, grid=launch.grid, warmup=False))
 
 
 def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
@@ -353,9 +367,11 @@ def handle(launched, grid, args, kwargs, error, settings):
         log.debug("smemguard: could not resolve the failed launch; re-raising", exc_info=True)
         raise error
     if launch is None:
-        _record(None, launched, None, error, Decision(RERAISED, (), reason=f"{type(launched).__name__} is not a "
-                "Triton JIT function, autotuner or heuristics: it may launch more than one kernel, so it is "
-                "not retried"), started, settings)
+        decision = _record(None, launched, None, error, Decision(RERAISED, (), reason=(
+            f"{type(launched).__name__} is not a Triton JIT function, autotuner or heuristics: it may launch more "
+            "than one kernel, so it is not retried")), started, settings)
+        _add_note(error, f"smemguard did not retry {registry.kernel_name(launched)}: {decision.reason}"
+                  + (f"; incident record: {decision.record}" if decision.record else ""))
         raise error
 
     if settings.observe_only:

@@ -273,12 +273,13 @@ def test_unknown_wrappers_are_not_retried(install_guard, incident_log, triton_ca
     b, c = operands()
     install_guard()
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
-        with pytest.raises(OutOfResources):
+        with pytest.raises(OutOfResources) as caught:
             TwoKernelLauncher(matmul_kernel)[(4, 4)](*matmul_args(aligned, b, c), BLOCK_M=64, BLOCK_N=64,
                                                       BLOCK_K=64, num_stages=4)
         assert gpu.launches == []
     [record] = records(incident_log)
     assert record["action"] == "reraised" and "TwoKernelLauncher" in record["reason"]
+    assert "smemguard did not retry smemguard.examples:matmul_kernel" in caught.value.__notes__[0]
 
 
 def test_internal_errors_reraise_the_users_error_unchanged(install_guard, triton_cache, monkeypatch):
@@ -342,3 +343,58 @@ def test_sixteen_threads_on_a_new_shape_decide_once(install_guard, incident_log,
         assert len(gpu.launches) == 16 and {launch.num_stages for launch in gpu.launches} == {3}
     assert len(decisions) == 1
     assert len(records(incident_log)) == 1
+
+
+def test_an_unwritable_incident_log_warns_once_and_recovery_goes_on(install_guard, tmp_path, triton_cache, caplog):
+    blocked = tmp_path / "logs"
+    install_guard(log_path=blocked / "incidents.jsonl")
+    blocked.write_text("a file where the log directory should be")
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    with caplog.at_level("WARNING", logger="smemguard"), fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
+        for tile, depth in ((64, 64), (128, 32)):  # both need 49152 B with 4 stages
+            matmul_kernel[(4, 4)](*matmul_args(aligned, b, c), BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=depth, num_stages=4)
+        assert [launch.num_stages for launch in gpu.launches] == [3, 3]
+    complaints = [r.getMessage() for r in caplog.records if "cannot write incident records" in r.getMessage()]
+    assert len(complaints) == 1 and str(blocked / "incidents.jsonl") in complaints[0]
+    assert "SMEMGUARD_LOG" in complaints[0]
+
+
+class LoggingAutotuner(triton.runtime.Autotuner):
+    """A subclass that keeps Triton's own run(): recovered like triton.autotune."""
+
+    def prune_configs(self, kwargs):
+        self.pruned = True
+        return super().prune_configs(kwargs)
+
+
+def test_autotuner_subclass_that_keeps_triton_run(install_guard, incident_log, triton_cache):
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    tuned = LoggingAutotuner(matmul_kernel, matmul_kernel.arg_names, [config(128, 128, 64, 3), config(64, 64, 64, 4)],
+                             ["M", "N", "K"], None, None)
+    install_guard()
+    with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
+        assert gpu.launches[-1].shared <= 30000 and tuned.pruned
+    assert records(incident_log)[0]["action"] == "config_changed"
+
+
+def test_configs_the_autotuners_pruner_rejects_are_never_candidates(install_guard, incident_log, triton_cache):
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    seen = []
+
+    def reject_64(configs, named_args, **kwargs):
+        seen.append(named_args["M"])
+        return [c for c in configs if c.kwargs["BLOCK_M"] != 64]
+
+    # Under 10000 B: 128x128x64 never fits, 32x32x32 fits only below 4 stages, 64x64x32 fits as it is.
+    tuned = autotuned([config(128, 128, 64, 3), config(32, 32, 32, 4), config(64, 64, 32, 2)],
+                      prune_configs_by={"early_config_prune": reject_64})
+    install_guard()
+    with fake_gpu("L4", max_shared=10000, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
+        # 64x64x32 is the larger tile that fits, but the kernel's own pruner rejects it.
+        assert (gpu.launches[-1].shared, gpu.launches[-1].grid) == (8192, (8, 8, 1))
+    assert seen and all(m == N for m in seen)
