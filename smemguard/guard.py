@@ -24,9 +24,9 @@ _reported_problems: set[str] = set()
 
 
 def _patch_modules():
-    from .patches import autotuner_bench, kernel_interface, max_shared_mem
+    from .patches import autotuner_bench, jit_compile, kernel_interface, max_shared_mem
 
-    return autotuner_bench, kernel_interface, max_shared_mem
+    return autotuner_bench, jit_compile, kernel_interface, max_shared_mem
 
 
 def _fail(message: str, settings: Settings) -> bool:
@@ -34,6 +34,13 @@ def _fail(message: str, settings: Settings) -> bool:
         raise SettingsError(message)
     log.warning("%s", message)
     return False
+
+
+def _remembered_options(jit, key, device):
+    from . import recovery
+
+    settings = _active
+    return recovery.remembered_options(jit, key, device, settings) if settings is not None else None
 
 
 def _on_out_of_resources(kernel, grid, args, kwargs, error):
@@ -53,7 +60,7 @@ def _patch(settings: Settings) -> bool:
     if not triton_supported(version):
         return _fail(f"smemguard {__version__}: Triton {version} is outside the checked range {supported_range()}; "
                      "Triton is left untouched and kernels run unguarded. Fix: upgrade smemguard.", settings)
-    autotuner_bench, kernel_interface, max_shared_mem = _patch_modules()
+    autotuner_bench, jit_compile, kernel_interface, max_shared_mem = _patch_modules()
     applied = []
     try:
         if settings.max_shared is not None:
@@ -61,6 +68,9 @@ def _patch(settings: Settings) -> bool:
             applied.append(max_shared_mem)
         autotuner_bench.patch()
         applied.append(autotuner_bench)
+        if settings.cache_dir is not None and not settings.observe_only and triton_supported(version, jit_compile.SUPPORTED):
+            jit_compile.patch(_remembered_options)
+            applied.append(jit_compile)
         kernel_interface.patch(_on_out_of_resources)
         applied.append(kernel_interface)
     except Exception as error:

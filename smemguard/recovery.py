@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import incidents, registry
+from . import decisions, incidents, registry
 from .patches import autotuner_bench, max_shared_mem, triton_version
 
 log = logging.getLogger("smemguard")
@@ -111,6 +113,8 @@ class Decision:
     record: str | None = None  # where the incident record went
     reason: str = ""  # why nothing else was possible (RERAISED)
     replacement: Any = None  # the compiled kernel that runs instead (STAGES_REDUCED, WARPS_REDUCED)
+    options: dict | None = None  # the option change that made it ({"num_stages": 3})
+    remembered: bool = False  # taken from the decision cache rather than by trying candidates
 
 
 def _runs_as(layer, cls) -> bool:
@@ -267,7 +271,7 @@ def _decide(launch: Launch, failing, error) -> Decision:
         attempts.append(attempt)
         if attempt.fits:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
-            return Decision(action, tuple(attempts), final=attempt.config, replacement=kernel)
+            return Decision(action, tuple(attempts), final=attempt.config, replacement=kernel, options={option: value})
 
     if launch.autotuner is not None and len(launch.autotuner.configs) > 1:
         for config in _candidate_configs(launch):
@@ -385,13 +389,150 @@ def handle(launched, grid, args, kwargs, error, settings):
     with case.lock:
         if case.decision is None:
             try:
-                decision = _decide(launch, failing, error)
+                shared = decisions.store(settings.cache_dir)
+                decision = _recall(launch, failing, shared) if shared else None
+                if decision is None:
+                    decision = _decide(launch, failing, error)
+                    if shared:
+                        decision = _remember(launch, failing, decision, shared)
             except Exception:
                 log.warning("smemguard: internal error while recovering %s; re-raising the original error",
                             registry.kernel_name(launch.jit), exc_info=True)
                 raise error
             case.decision = _record(launch, launched, failing, error, decision, started, settings)
     return _apply(case.decision, launch, failing, error)
+
+
+# Decisions shared with other processes through smemguard.decisions. A case is identified by
+# what was compiled and where: kernel, source, Triton, GPU model, enforced limit, JIT key.
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(device: int) -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
+    except Exception:
+        log.debug("no device name", exc_info=True)
+        return None
+
+
+def source_hash(jit) -> str:
+    return hashlib.sha256(jit.src.encode()).hexdigest()[:16]
+
+
+def _compile_case(jit, jit_key: str, device: int) -> dict:
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return {"kernel": registry.kernel_name(jit), "source_hash": source_hash(jit), "triton": triton_version(),
+            "gpu": _gpu_name(device) or f"{target.backend}:{target.arch}", "arch": target.arch,
+            "limit": max_shared_mem.effective_limit(device), "jit_key": jit_key}
+
+
+def _launch_case(launch: Launch, jit_key: str, device: int) -> dict:
+    return {**_compile_case(launch.jit, jit_key, device), "tuning_key": repr(launch.tuning_key)}
+
+
+def _jit_key(launch: Launch, failing) -> str | None:
+    kernel_cache = launch.jit.device_caches[_current_device()][0]
+    return next((key for key, kernel in kernel_cache.items() if kernel.hash == failing.hash), None)
+
+
+def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
+    """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
+    shared = decisions.store(settings.cache_dir)
+    if shared is None:
+        return None
+    entry = shared.get("compile", decisions.case_id(_compile_case(jit, jit_key, device)))
+    return dict(entry["options"]) if entry else None
+
+
+def _config_entry(config) -> dict:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def _config_from_entry(launch: Launch, entry: dict):
+    """The autotuner config described by ``entry`` (one of its own, or a fewer-stage variant), or None."""
+    for config in _allowed_configs(launch):
+        if (dict(config.kwargs) == entry["kwargs"] and config.num_warps == entry["num_warps"]
+                and getattr(config, "num_ctas", 1) == entry["num_ctas"]
+                and getattr(config, "maxnreg", None) == entry["maxnreg"] and config.num_stages >= entry["num_stages"]):
+            if config.num_stages == entry["num_stages"]:
+                return config
+            variant = copy.copy(config)
+            variant.num_stages = entry["num_stages"]
+            return variant
+    return None
+
+
+def _from_entry(launch: Launch, kind: str, entry: dict) -> Decision | None:
+    """Apply a stored decision to this launch: one compile to confirm it fits, no other candidate."""
+    if kind == "compile":
+        kernel, attempt = _try(launch, "remembered", **entry["options"])
+        if attempt.fits:
+            return Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
+                            options=dict(entry["options"]), remembered=True)
+        return None
+    action = entry["action"]
+    if action == CONFIG_CHANGED and launch.autotuner is not None:
+        config = _config_from_entry(launch, entry["config"])
+        if config is None:
+            return None
+        candidate = resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
+        candidate.run_config_pre_hook()
+        _, attempt = _try(candidate, str(config))
+        if attempt.fits:
+            launch.autotuner.cache[launch.tuning_key] = config
+            return Decision(CONFIG_CHANGED, (attempt,), config=config, final=attempt.config, remembered=True)
+        return None
+    fallback = registry.fallback_for(launch.jit)
+    if action == FALLBACK and fallback is not None and _name(fallback) == entry["fallback"]:
+        return Decision(FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}", remembered=True)
+    if action == RERAISED and fallback is None:
+        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)
+    return None
+
+
+def _recall(launch: Launch, failing, shared) -> Decision | None:
+    device, jit_key = _current_device(), _jit_key(launch, failing)
+    if jit_key is None:
+        return None
+    for kind, case in (("compile", _compile_case(launch.jit, jit_key, device)),
+                       ("launch", _launch_case(launch, jit_key, device))):
+        entry = shared.get(kind, decisions.case_id(case))
+        if entry is not None:
+            decision = _from_entry(launch, kind, entry)
+            if decision is not None:
+                return decision
+    return None
+
+
+def _remember(launch: Launch, failing, decision: Decision, shared) -> Decision:
+    """Store ``decision``; if another process stored this case first, apply theirs instead."""
+    device, jit_key = _current_device(), _jit_key(launch, failing)
+    if jit_key is None:
+        return decision
+    entry: dict[str, Any] = {"action": decision.action, "final": decision.final, "time": time.time(),
+                             "host": incidents.host(), "pid": os.getpid(), "from_config": decision.attempts[0].config}
+    if decision.options is not None:
+        kind, case = "compile", _compile_case(launch.jit, jit_key, device)
+        entry["options"] = decision.options
+    else:
+        kind, case = "launch", _launch_case(launch, jit_key, device)
+        if decision.config is not None:
+            entry["config"] = _config_entry(decision.config)
+        if decision.fallback is not None:
+            entry["fallback"] = _name(decision.fallback)
+        entry["reason"] = decision.reason
+    entry.update(case)
+    standing = shared.put(kind, decisions.case_id(case), entry)
+    if standing is entry:
+        return decision
+    theirs = _from_entry(launch, kind, standing)
+    return theirs if theirs is not None else decision
 
 
 def _arg_record(value) -> Any:
@@ -426,15 +567,7 @@ def _device_record(device: int) -> dict:
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
-    name = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(device)
-    except Exception:
-        log.debug("no device name", exc_info=True)
-    return {"name": name, "backend": target.backend, "arch": target.arch, "index": device}
+    return {"name": _gpu_name(device), "backend": target.backend, "arch": target.arch, "index": device}
 
 
 def _rank() -> int | None:
@@ -448,8 +581,6 @@ def _rank() -> int | None:
 
 def _record(launch, launched, failing, error, decision: Decision, started: float, settings) -> Decision:
     """Write the incident record and the one-line warning; return the decision with its location."""
-    import os
-
     elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
     device = _current_device()
     kernel = registry.kernel_name(launch.jit if launch is not None else launched)
@@ -471,6 +602,7 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         "final": decision.final,
         "reason": decision.reason or None,
         "attempts": [vars(a) for a in decision.attempts],
+        "remembered": decision.remembered,
         "recovery_ms": elapsed_ms,
     }
     if launch is not None:
@@ -479,7 +611,7 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         constexpr_names = {p.name for p in launch.jit.params if p.is_constexpr}
         record.update({
             "source": f"{code.co_filename}:{code.co_firstlineno}",
-            "source_hash": hashlib.sha256(launch.jit.src.encode()).hexdigest()[:16],
+            "source_hash": source_hash(launch.jit),
             "constexprs": {k: _arg_record(v) for k, v in named.items() if k in constexpr_names},
             "num_warps": failing.metadata.num_warps,
             "num_stages": failing.metadata.num_stages,
@@ -508,7 +640,7 @@ def _grid_record(grid, named: dict):
 
 
 def _action_text(decision: Decision) -> str:
-    return {
+    return ("remembered: " if decision.remembered else "") + {
         STAGES_REDUCED: f"recovered with {decision.final}",
         WARPS_REDUCED: f"recovered with {decision.final}",
         CONFIG_CHANGED: f"switched to config {decision.final}",
@@ -530,6 +662,8 @@ def _explain(launch: Launch, decision: Decision, error) -> str:
         "  tried: " + ("; ".join(a.summary() for a in decision.attempts) or "nothing"),
         f"  {decision.reason}",
     ]
+    if decision.remembered:
+        lines.append("  (decided earlier and kept in SMEMGUARD_CACHE_DIR; 'smemguard cache clear' forgets it)")
     if decision.record:
         lines.append(f"  incident record: {decision.record}")
     return "\n".join(lines)

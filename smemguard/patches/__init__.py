@@ -21,12 +21,13 @@ def triton_version() -> str:
     return getattr(triton, "__version__", "unknown")
 
 
-def triton_supported(version: str) -> bool:
+def triton_supported(version: str, supported: tuple = SUPPORTED_TRITON) -> bool:
+    """Whether ``version`` ("3.6.0") lies in ``supported``: [(major, minor), (major, minor))."""
     try:
         major_minor = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
         return False
-    low, high = SUPPORTED_TRITON
+    low, high = supported
     return low <= major_minor < high
 
 

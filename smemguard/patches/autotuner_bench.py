@@ -4,7 +4,9 @@ Why: when a tuned config overflows at launch, recovery prefers the next config t
 autotuner itself timed fastest *for that key*. Triton keeps only the timings of the last
 key it tuned (``configs_timings``), so we note each measurement as ``_bench`` returns it.
 The wrapper observes and returns ``_bench``'s result untouched: overflowing configs stay
-infinitely slow to the autotuner. It runs only while tuning, never on a launch.
+infinitely slow to the autotuner (it also tells the compile-time patch that it is inside
+benchmarking, where remembered decisions must not apply). It runs only while tuning, never
+on a launch.
 
 Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
 ``_bench(self, *args, config, **meta)`` returns a list of quantiles (median first) or
@@ -28,6 +30,12 @@ TARGET = "Autotuner._bench"
 # autotuner -> {tuning key -> {config -> median ms}}
 _timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_inside = threading.local()
+
+
+def benchmarking() -> bool:
+    """True while this thread is inside ``Autotuner._bench``: nothing may be changed there."""
+    return getattr(_inside, "depth", 0) > 0
 
 
 def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
@@ -41,7 +49,11 @@ def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
 
 
 def _record(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _inside.depth -= 1
     try:
         median = result[0] if isinstance(result, (list, tuple)) else result
         meta = {name: value for name, value in kwargs.items() if name != "config"}

@@ -1,0 +1,71 @@
+"""Remembered decisions at compile time: wraps ``triton.runtime.jit.JITFunction._do_compile``.
+
+Why: when another process (or an earlier run) learned that a compiled variant overflows this
+GPU and that fewer stages (or warps) fit, compiling the failing variant first is wasted
+seconds and a wasted exception. ``_do_compile`` runs only on a JIT cache miss, with the key
+the variant will be cached under and Triton's parsed options; the wrapper swaps in the
+remembered options, so the replacement is compiled and cached under the original key and
+every launch of that variant runs it. Launches never pass through here once cached.
+
+Not applied inside the autotuner's benchmarking (``Autotuner._bench``): there an overflowing
+config must still fail, so that the autotuner never prefers it.
+
+Checked against Triton 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
+``_do_compile(self, key, signature, device, constexprs, options, attrs, warmup)``, with
+``options`` a frozen dataclass. Triton 3.4 compiles inline in ``run``; there remembered
+decisions apply at the first failing launch instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from . import autotuner_bench, find_wrapper, unwrap, wrap
+
+MODULE = "triton.runtime.jit"
+TARGET = "JITFunction._do_compile"
+SUPPORTED = ((3, 5), (3, 10))
+
+log = logging.getLogger(__name__)
+
+_remembered_options = None  # (jit, key, device) -> {"num_stages": 3} | None
+
+
+def _arguments(key, signature, device, constexprs, options, attrs, warmup):
+    return key, device, options
+
+
+def _compile_remembered(wrapped, instance, args, kwargs):
+    override = None
+    if _remembered_options is not None and not autotuner_bench.benchmarking():
+        try:
+            key, device, options = _arguments(*args, **kwargs)
+            override = _remembered_options(instance, key, device)
+            if override:
+                replaced = dataclasses.replace(options, **override)
+                if "options" in kwargs:
+                    kwargs = {**kwargs, "options": replaced}
+                else:
+                    args = (*args[:4], replaced, *args[5:])
+        except Exception:  # a lookup problem must never stop a compile
+            log.debug("smemguard: remembered options not applied", exc_info=True)
+    return wrapped(*args, **kwargs)
+
+
+def patch(remembered_options) -> None:
+    """``remembered_options(jit, key, device)`` returns option overrides for that variant, or None."""
+    global _remembered_options
+    _remembered_options = remembered_options
+    if not is_patched():
+        wrap(MODULE, TARGET, _compile_remembered)
+
+
+def unpatch() -> None:
+    global _remembered_options
+    unwrap(MODULE, TARGET, _compile_remembered)
+    _remembered_options = None
+
+
+def is_patched() -> bool:
+    return find_wrapper(MODULE, TARGET, _compile_remembered) is not None

@@ -1,0 +1,139 @@
+"""Decisions persisted across processes (SMEMGUARD_CACHE_DIR/decisions.json)."""
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from smemguard import decisions
+
+from conftest import ROOT, TESTS
+
+
+def test_first_decision_stored_for_a_case_wins(tmp_path):
+    store = decisions.Store(tmp_path)
+    first = store.put("compile", "case", {"options": {"num_stages": 3}})
+    assert store.put("compile", "case", {"options": {"num_stages": 2}}) == first
+    assert decisions.Store(tmp_path).get("compile", "case") == {"options": {"num_stages": 3}}, "on disk for others"
+
+
+def test_a_change_by_another_process_is_seen(tmp_path):
+    mine, theirs = decisions.Store(tmp_path), decisions.Store(tmp_path)
+    assert mine.get("launch", "case") is None
+    theirs.put("launch", "case", {"action": "reraised"})
+    assert mine.get("launch", "case") == {"action": "reraised"}
+
+
+@pytest.mark.parametrize("content, problem", [("{not json", "Expecting property name"),
+                                              ('{"schema": 99, "compile": {}, "launch": {}}', "schema 99")])
+def test_corrupt_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, caplog, content, problem):
+    (tmp_path / "decisions.json").write_text(content)
+    store = decisions.Store(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="smemguard"):
+        assert store.get("compile", "case") is None
+        store.put("compile", "case", {"options": {"num_stages": 1}})
+        assert store.get("compile", "case") == {"options": {"num_stages": 1}}
+    [line] = [r.getMessage() for r in caplog.records]
+    assert problem in line and "moved it to" in line
+    [aside] = tmp_path.glob("decisions.json.bad-*")
+    assert aside.read_text() == content, "nothing is lost"
+    assert json.loads((tmp_path / "decisions.json").read_text())["compile"]["case"] == {"options": {"num_stages": 1}}
+
+
+def test_unusable_directory_warns_once_and_keeps_decisions_in_memory(tmp_path, caplog):
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file, not a directory")
+    store = decisions.Store(blocked)
+    with caplog.at_level(logging.WARNING, logger="smemguard"):
+        store.put("compile", "a", {"options": {"num_stages": 2}})
+        store.put("compile", "b", {"options": {"num_stages": 1}})
+        assert store.get("compile", "a") == {"options": {"num_stages": 2}}
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "cannot use the decision cache" in line and "SMEMGUARD_CACHE_DIR" in line
+
+
+def test_export_import_round_trip(tmp_path):
+    source = decisions.Store(tmp_path / "a")
+    source.put("compile", "x", {"options": {"num_stages": 2}})
+    source.put("launch", "y", {"action": "reraised"})
+    exported = source.snapshot()
+    target = decisions.Store(tmp_path / "b")
+    target.put("launch", "y", {"action": "fallback"})
+    assert target.merge(exported) == (1, 1)
+    assert target.get("compile", "x") == {"options": {"num_stages": 2}}
+    assert target.get("launch", "y") == {"action": "fallback"}, "what a host learned itself is kept"
+    assert target.clear() == 2 and target.snapshot() == decisions.empty()
+    with pytest.raises(ValueError, match="schema"):
+        target.merge({"schema": 0})
+
+
+WORKER = """
+    import json, sys, torch
+    from triton import knobs
+    import smemguard
+    from smemguard import recovery
+    from smemguard.settings import Settings
+    from smemguard.testing import fake_gpu
+    from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid
+
+    cache_dir, triton_cache, log, kind = sys.argv[1:5]
+    compiled, handled = [], []
+    knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["compile"]["num_stages"]) or False
+    handle = recovery.handle
+    recovery.handle = lambda *a: handled.append(1) or handle(*a)
+    smemguard.install(Settings(cache_dir=__import__("pathlib").Path(cache_dir), log_path=__import__("pathlib").Path(log)))
+    a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+    with fake_gpu("L4", max_shared=40000 if kind == "stages" else 30000, cache_dir=triton_cache) as gpu:
+        if kind == "stages":
+            matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4)
+        else:
+            tuned = autotuned([config(128, 128, 64, 3), config(64, 64, 64, 4)])
+            tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
+        print(json.dumps({"stages": gpu.launches[-1].num_stages, "shared": gpu.launches[-1].shared,
+                          "compiled": compiled, "handled": len(handled)}))
+"""
+
+
+def run_worker(cache_dir, triton_cache, log, kind):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(cache_dir), triton_cache, str(log),
+                             kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": f"{TESTS}:{ROOT}", "PATH": "/usr/bin:/bin"})
+
+
+def finish(process):
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
+    first = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "first.jsonl", "stages"))
+    assert first["stages"] == 3 and 4 in first["compiled"] and first["handled"] == 1
+    second = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "second.jsonl", "stages"))
+    assert second == {"stages": 3, "shared": 32768, "compiled": [3], "handled": 0}
+    assert not (tmp_path / "second.jsonl").exists(), "no incident at all in the second process"
+
+
+def test_two_processes_racing_on_a_new_case_store_one_decision_and_both_use_it(tmp_path, triton_cache):
+    workers = [run_worker(tmp_path / "cache", triton_cache, tmp_path / f"{n}.jsonl", "stages") for n in range(2)]
+    results = [finish(worker) for worker in workers]
+    assert [r["stages"] for r in results] == [3, 3]
+    stored = json.loads((tmp_path / "cache" / "decisions.json").read_text())
+    assert len(stored["compile"]) == 1 and stored["launch"] == {}
+    [entry] = stored["compile"].values()
+    assert entry["options"] == {"num_stages": 3} and entry["kernel"] == "smemguard.examples:matmul_kernel"
+    assert (entry["gpu"], entry["arch"], entry["limit"]) == ("cuda:89", 89, 40000)
+
+
+def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
+    first = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "first.jsonl", "configs"))
+    second = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "second.jsonl", "configs"))
+    assert first["stages"] == second["stages"] == 2 and first["shared"] == second["shared"] == 16384
+    [record] = [json.loads(line) for line in (tmp_path / "second.jsonl").read_text().splitlines()]
+    assert record["remembered"] is True and record["action"] == "config_changed"
+    assert len(record["attempts"]) == 1, "only the remembered config is compiled to confirm it fits"
+    assert first["compiled"] == [3, 4, 2, 1, 3, 2], "tuning both configs, then the whole ladder"
+    assert second["compiled"] == [3, 4, 2], "tuning both configs, then only the remembered config"
