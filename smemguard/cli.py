@@ -22,6 +22,9 @@ examples:
   smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
   smemguard demo --gpu T4        the same against a T4's 65536-byte limit
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
+  smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
+  smemguard replay incidents.jsonl --index 3   rebuild record 3's launch and run it again
+  smemguard cache show           the decisions this host remembers
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>. See the README.
@@ -114,6 +117,84 @@ def _demo(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from . import report
+
+    try:
+        since = report.parse_since(args.since) if args.since else None
+    except ValueError as error:
+        print(f"smemguard report: {error}", file=sys.stderr)
+        return 2
+    malformed: list = []
+    rows = report.summarize(report.read(args.files, malformed), kernel=args.kernel, since=since)
+    if args.json:
+        print(json.dumps({"rows": [row.as_json() for row in rows],
+                          "malformed": [vars(m) for m in malformed]}, indent=2))
+    else:
+        print(report.format_table(rows) if rows else "no incident records" + (" matching the filters" if
+                                                                              args.kernel or since else ""))
+        for bad in malformed:
+            where = f"{bad.path}:{bad.line}" if bad.line else bad.path
+            print(f"skipped {where}: {bad.reason}", file=sys.stderr)
+        if malformed:
+            print(f"{len(malformed)} malformed line(s) skipped", file=sys.stderr)
+    return 0
+
+
+def _replay(args) -> int:
+    from . import replay
+    from .settings import parse_max_shared
+
+    try:
+        limit = parse_max_shared(args.limit)[0] if args.limit else None
+        record = replay.load(args.file, index=args.index, kernel=args.kernel)
+        return replay.replay(record, limit, print)
+    except (ValueError, OSError, replay.ReplayError) as error:
+        print(f"smemguard replay: {error}", file=sys.stderr)
+        return 2
+
+
+def _cache(args) -> int:
+    from . import decisions
+    from .settings import current
+
+    directory = args.dir or current().cache_dir
+    if directory is None:
+        print("smemguard cache: the decision cache is off (SMEMGUARD_CACHE_DIR=off); pass --dir", file=sys.stderr)
+        return 2
+    store = decisions.Store(Path(directory))
+    try:
+        if args.action == "show":
+            data = store.snapshot()
+            entries = [(kind, entry) for kind in decisions.KINDS for entry in data[kind].values()]
+            if args.json:
+                print(json.dumps(data, indent=1, sort_keys=True))
+            elif not entries:
+                print(f"no decisions in {store.path}")
+            else:
+                print(f"{len(entries)} decisions in {store.path}:")
+                for kind, entry in entries:
+                    print(f"  {entry.get('kernel')} on {entry.get('gpu')} (limit {entry.get('limit')} B): "
+                          f"{entry.get('from_config')} -> {entry.get('action')} {entry.get('final') or ''}".rstrip())
+        elif args.action == "clear":
+            print(f"forgot {store.clear()} decisions in {store.path}")
+        elif args.action == "export":
+            Path(args.file).write_text(json.dumps(store.snapshot(), indent=1, sort_keys=True))
+            print(f"exported {store.path} to {args.file}")
+        else:
+            try:
+                incoming = json.loads(Path(args.file).read_text())
+                added, present = store.merge(incoming)
+            except ValueError as error:
+                print(f"smemguard cache import: {args.file} is not a smemguard decision file ({error})", file=sys.stderr)
+                return 2
+            print(f"imported {added} decisions into {store.path} ({present} already there, kept as they were)")
+    except OSError as error:
+        print(f"smemguard cache: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smemguard", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,6 +212,44 @@ def build_parser() -> argparse.ArgumentParser:
                                             "name or alias is accepted by SMEMGUARD_MAX_SHARED.")
     table.add_argument("--json", action="store_true", help="machine-readable output")
     table.set_defaults(run=_gpus)
+
+    summary = commands.add_parser(
+        "report", help="summarize incident records: which kernels overflowed where, and what was done",
+        description="Reads the JSON-lines incident files written with SMEMGUARD_LOG (several files, e.g. one per "
+                    "rank; gzip is fine) and prints one row per kernel, resource and GPU: count, distinct shapes, "
+                    "actions taken, first and last seen, time spent recovering. Malformed lines are skipped and "
+                    "listed with their line numbers.")
+    summary.add_argument("files", nargs="+", type=Path, metavar="FILE", help="incident files (.jsonl or .jsonl.gz)")
+    summary.add_argument("--kernel", help="only kernels whose module:name contains this text")
+    summary.add_argument("--since", help="only incidents since a date (2026-11-30), a time (2026-11-30T08:00) or "
+                                         "a duration back from now (90m, 6h, 2d)")
+    summary.add_argument("--json", action="store_true", help="machine-readable output")
+    summary.set_defaults(run=_report)
+
+    again = commands.add_parser(
+        "replay", help="rebuild a recorded launch from its incident record and run it again",
+        description="Imports the recorded kernel, builds tensors with the recorded shapes, strides, dtypes and "
+                    "alignment (random values), and launches the recorded config with the recorded grid. On a GPU: "
+                    "reproduces the OutOfResources under the recorded limit (emulated), shows what smemguard does, "
+                    "and checks the recovered output against the original config run without emulation. Without a "
+                    "GPU: compiles for the recorded arch and prints the bytes each candidate needs.")
+    again.add_argument("file", type=Path, metavar="FILE", help="incident file (.jsonl or .jsonl.gz)")
+    which = again.add_mutually_exclusive_group()
+    which.add_argument("--index", type=int, help="which record (0-based; negative counts from the end; default: last)")
+    which.add_argument("--kernel", help="the last record whose kernel contains this text")
+    again.add_argument("--limit", help="limit to reproduce against, bytes or a GPU name (default: the recorded one)")
+    again.set_defaults(run=_replay)
+
+    cache = commands.add_parser(
+        "cache", help="show, clear, export or import the decisions this host remembers",
+        description="Decisions live in SMEMGUARD_CACHE_DIR/decisions.json and are shared by every process on the "
+                    "host. Export them on a host that learned them and import them on the others, so no worker of "
+                    "the fleet pays for the same overflow again.")
+    cache.add_argument("action", choices=("show", "clear", "export", "import"))
+    cache.add_argument("file", nargs="?", help="the JSON file to export to or import from")
+    cache.add_argument("--dir", type=Path, help="cache directory (default: SMEMGUARD_CACHE_DIR)")
+    cache.add_argument("--json", action="store_true", help="with show: the raw file")
+    cache.set_defaults(run=_cache)
     return parser
 
 
@@ -140,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "cache" and args.action in ("export", "import") and not args.file:
+        parser.error(f"cache {args.action} needs a FILE")
     return args.run(args)
 
 

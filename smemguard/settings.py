@@ -78,22 +78,27 @@ def _parse_mode(value: str | None, problems: list[str]) -> str:
     return "on"
 
 
+def parse_max_shared(text: str) -> tuple[int, str]:
+    """``"101376"`` or a GPU name (``"L20"``) -> (bytes, label); ValueError saying what is accepted."""
+    text = text.strip()
+    accepted = f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
+    if text.isdigit() and int(text) > 0:
+        return int(text), text
+    gpu = gpus.lookup(text)
+    if gpu is None:
+        why = "must be positive" if text.lstrip("-").isdigit() else "neither a byte count nor a known GPU"
+        raise ValueError(f"{why}; accepted: {accepted}")
+    return gpu.max_shared, gpu.name
+
+
 def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | None, str | None]:
     if value is None or value.strip() == "":
         return None, None
-    text = value.strip()
-    accepted = f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
-    if text.isdigit():
-        limit = int(text)
-        if limit <= 0:
-            problems.append(_problem(MAX_SHARED, value, "must be positive", accepted))
-            return None, None
-        return limit, text
-    gpu = gpus.lookup(text)
-    if gpu is None:
-        problems.append(_problem(MAX_SHARED, value, "neither a byte count nor a known GPU", accepted))
+    try:
+        return parse_max_shared(value)
+    except ValueError as error:
+        problems.append(f"{MAX_SHARED}={value!r} ignored: {error}. Using the default.")
         return None, None
-    return gpu.max_shared, gpu.name
 
 
 def _unwritable_reason(path: Path) -> str | None:
