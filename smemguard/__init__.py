@@ -9,6 +9,12 @@ Importing this package imports neither Triton nor torch.
 __version__ = "0.1.0"
 
 from .guard import install, is_installed, uninstall  # noqa: E402
-from .registry import register_fallback, unregister_fallback  # noqa: E402
+from .registry import (  # noqa: E402
+    register_alternatives,
+    register_fallback,
+    unregister_alternatives,
+    unregister_fallback,
+)
 
-__all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback", "__version__"]
+__all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback",
+           "register_alternatives", "unregister_alternatives", "__version__"]

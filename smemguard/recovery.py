@@ -92,8 +92,7 @@ class Launch:
 
     def run_config_pre_hook(self) -> None:
         if self.config is not None and self.config.pre_hook is not None:
-            nargs = dict(zip(self.autotuner.arg_names, self.args))
-            self.config.pre_hook({**nargs, **self.tuner_kwargs, **self.config.all_kwargs()})
+            self.config.pre_hook({**self.named_args(), **self.config.all_kwargs()})
 
     def compile(self, **options):
         return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
@@ -213,13 +212,14 @@ def _tile_size(config) -> int:
 
 
 def _candidate_configs(launch: Launch):
-    """The autotuner's other configs, as-is first, then with fewer stages.
+    """The other allowed configs, as-is first, then with fewer stages.
 
-    Order: timed fastest for this key first, then untimed ones by tile size (largest first);
-    configs that already failed while tuning this key are only retried with fewer stages.
+    Order: timed fastest by the autotuner for this key first, then untimed ones by tile size
+    (largest first); configs that already failed while tuning this key are only retried with
+    fewer stages.
     """
-    timings = autotuner_bench.timings(launch.autotuner, launch.tuning_key)
-    others = [c for c in _allowed_configs(launch) if c != launch.config]
+    timings = autotuner_bench.timings(launch.autotuner, launch.tuning_key) if launch.autotuner else {}
+    others = [c for c in _allowed_configs(launch) if launch.config is None or c != launch.config]
     timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
     untimed = sorted((c for c in others if c not in timings),
                      key=lambda c: (_tile_size(c), c.num_stages, c.num_warps), reverse=True)
@@ -234,17 +234,33 @@ def _candidate_configs(launch: Launch):
 
 
 def _allowed_configs(launch: Launch) -> list:
-    """The autotuner's configs that its own ``early_config_prune`` keeps for this launch.
+    """The configs this launch may switch to.
 
-    A pruner may encode constraints of the kernel (a split that must divide K), so a config
-    it rejects is never a candidate.
+    For an autotuner: its configs that its own ``early_config_prune`` keeps (a pruner may
+    encode constraints of the kernel, such as a split that must divide K). For a plain JIT
+    function: the alternatives registered for it, and only when the grid is a callable of the
+    meta-parameters (a tuple grid was computed by the caller from the tiles it launched).
     """
     tuner = launch.autotuner
+    if tuner is None:
+        return list(registry.alternatives_for(launch.jit)) if callable(launch.grid) else []
+    if len(tuner.configs) < 2:
+        return []
     prune = getattr(tuner, "early_config_prune", None)
     if prune is None:
         return list(tuner.configs)
     named = dict(zip(tuner.arg_names, launch.args))
     return list(prune(tuner.configs, named, **launch.tuner_kwargs, grid=launch.grid, warmup=False))
+
+
+def with_config(launch: Launch, config) -> Launch:
+    """``launch`` with ``config`` in force: through the autotuner, or by keyword on a plain JIT function."""
+    if launch.autotuner is not None:
+        return resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
+    # Every parameter by name: a constexpr passed positionally cannot also be passed by keyword.
+    options = {k: v for k, v in launch.jit_kwargs.items() if k not in launch.jit.arg_names}
+    kwargs = {**launch.named_args(), **options, **config.all_kwargs()}
+    return Launch(launch.launched, launch.grid, (), kwargs, launch.jit, kwargs, config=config)
 
 
 def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
@@ -273,32 +289,44 @@ def _decide(launch: Launch, failing, error) -> Decision:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
             return Decision(action, tuple(attempts), final=attempt.config, replacement=kernel, options={option: value})
 
-    if launch.autotuner is not None and len(launch.autotuner.configs) > 1:
-        for config in _candidate_configs(launch):
-            if budget == 0:
-                break
-            budget -= 1
-            candidate = resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
-            # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
-            candidate.run_config_pre_hook()
-            kernel, attempt = _try(candidate, str(config))
-            attempts.append(attempt)
-            if attempt.fits:
-                launch.autotuner.cache[launch.tuning_key] = config
-                return Decision(CONFIG_CHANGED, tuple(attempts), config=config, final=attempt.config)
+    for config in _candidate_configs(launch):
+        if budget == 0:
+            break
+        budget -= 1
+        candidate = with_config(launch, config)
+        # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
+        candidate.run_config_pre_hook()
+        kernel, attempt = _try(candidate, str(config))
+        attempts.append(attempt)
+        if attempt.fits:
+            _adopt(launch, config)
+            return Decision(CONFIG_CHANGED, tuple(attempts), config=config, final=attempt.config)
 
     fallback = registry.fallback_for(launch.jit)
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback, final=f"fallback {_name(fallback)}")
+    return Decision(RERAISED, tuple(attempts), reason=_why_nothing_fits(launch, budget))
 
-    if launch.autotuner is None:
-        reason = ("tile sizes of a plain @triton.jit kernel are never changed (its grid may be computed from "
-                  "them); register a fallback with smemguard.register_fallback")
-    elif budget == 0:
-        reason = f"stopped after {MAX_CANDIDATES} candidate compiles; register a fallback with smemguard.register_fallback"
-    else:
-        reason = "no config of the autotuner fits; register a fallback with smemguard.register_fallback"
-    return Decision(RERAISED, tuple(attempts), reason=reason)
+
+def _adopt(launch: Launch, config) -> None:
+    """Make later launches of an autotuned kernel use ``config`` directly."""
+    if launch.autotuner is not None:
+        launch.autotuner.cache[launch.tuning_key] = config
+
+
+def _why_nothing_fits(launch: Launch, budget: int) -> str:
+    advice = "register a fallback with smemguard.register_fallback"
+    if budget == 0:
+        return f"stopped after {MAX_CANDIDATES} candidate compiles; {advice}"
+    if launch.autotuner is not None:
+        return f"no config of the autotuner fits; {advice}"
+    if registry.alternatives_for(launch.jit) and not callable(launch.grid):
+        return (f"alternatives are registered, but the grid is a tuple computed by the caller, so the tiles it "
+                f"was computed for are kept; pass the grid as a function of the meta-parameters, or {advice}")
+    if registry.alternatives_for(launch.jit):
+        return f"none of the registered alternatives fits; {advice}"
+    return ("tile sizes of a plain @triton.jit kernel are never changed (its grid may be computed from them); "
+            f"register alternatives with smemguard.register_alternatives, or {advice}")
 
 
 def _name(fn) -> str:
@@ -338,7 +366,7 @@ def _apply(decision: Decision, launch: Launch, failing, error):
         _replace_in_jit_cache(launch, failing, decision.replacement)
         return launch.relaunch()
     if decision.action == CONFIG_CHANGED:
-        return resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=decision.config).relaunch()
+        return with_config(launch, decision.config).relaunch()
     if decision.action == FALLBACK:
         try:
             decision.fallback(**launch.named_args())
@@ -477,15 +505,15 @@ def _from_entry(launch: Launch, kind: str, entry: dict) -> Decision | None:
                             options=dict(entry["options"]), remembered=True)
         return None
     action = entry["action"]
-    if action == CONFIG_CHANGED and launch.autotuner is not None:
+    if action == CONFIG_CHANGED:
         config = _config_from_entry(launch, entry["config"])
         if config is None:
             return None
-        candidate = resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
+        candidate = with_config(launch, config)
         candidate.run_config_pre_hook()
         _, attempt = _try(candidate, str(config))
         if attempt.fits:
-            launch.autotuner.cache[launch.tuning_key] = config
+            _adopt(launch, config)
             return Decision(CONFIG_CHANGED, (attempt,), config=config, final=attempt.config, remembered=True)
         return None
     fallback = registry.fallback_for(launch.jit)

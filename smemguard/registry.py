@@ -6,6 +6,7 @@ import threading
 from typing import Any, Callable
 
 _fallbacks: dict[str, Callable[..., Any]] = {}
+_alternatives: dict[str, tuple] = {}
 _lock = threading.Lock()
 
 
@@ -43,3 +44,29 @@ def unregister_fallback(kernel) -> None:
 def fallback_for(kernel) -> Callable[..., Any] | None:
     with _lock:
         return _fallbacks.get(kernel_name(kernel))
+
+
+def register_alternatives(kernel, configs) -> None:
+    """Configs a plain ``@triton.jit`` kernel may run with when the launched one does not fit.
+
+    ``configs`` are ``triton.Config`` objects (constexprs and options), tried largest tile
+    first. Register only a kernel that masks its tails and whose callers pass the grid as a
+    function of the meta-parameters (``grid=lambda meta: (cdiv(M, meta["BLOCK_M"]),)``): a
+    launch with a tuple grid keeps its tiles whatever is registered, since the caller computed
+    that grid from them. Registering again replaces the previous list.
+    """
+    configs = tuple(configs)
+    if not all(hasattr(config, "all_kwargs") and hasattr(config, "kwargs") for config in configs):
+        raise TypeError("alternatives must be triton.Config objects")
+    with _lock:
+        _alternatives[kernel_name(kernel)] = configs
+
+
+def alternatives_for(kernel) -> tuple:
+    with _lock:
+        return _alternatives.get(kernel_name(kernel), ())
+
+
+def unregister_alternatives(kernel) -> None:
+    with _lock:
+        _alternatives.pop(kernel_name(kernel), None)

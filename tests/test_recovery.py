@@ -398,3 +398,37 @@ def test_configs_the_autotuners_pruner_rejects_are_never_candidates(install_guar
         # 64x64x32 is the larger tile that fits, but the kernel's own pruner rejects it.
         assert (gpu.launches[-1].shared, gpu.launches[-1].grid) == (8192, (8, 8, 1))
     assert seen and all(m == N for m in seen)
+
+
+@pytest.fixture
+def alternatives():
+    smemguard.register_alternatives(matmul_kernel, [config(64, 64, 64, 2), config(32, 32, 32, 2)])
+    yield
+    smemguard.unregister_alternatives(matmul_kernel)
+
+
+def test_registered_alternatives_shrink_tiles_when_the_grid_follows_them(install_guard, incident_log,
+                                                                         triton_cache, alternatives):
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    install_guard()
+    with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache) as gpu:
+        # BLOCK_M passed positionally: the alternative must be bound by name.
+        matmul_kernel[tiled_grid(N, N)](*matmul_args(aligned, b, c), 128, BLOCK_N=128, BLOCK_K=64, num_stages=2)
+        launch = gpu.launches[-1]
+        assert (launch.shared, launch.grid) == (16384, (4, 4, 1)), "64x64 tiles, grid recomputed from them"
+    [record] = records(incident_log)
+    assert record["action"] == "config_changed" and record["final"].startswith("BLOCK_M=64 BLOCK_N=64")
+
+
+def test_registered_alternatives_never_apply_to_a_tuple_grid(install_guard, incident_log, triton_cache,
+                                                             alternatives, compiles):
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    install_guard()
+    with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache) as gpu:
+        with pytest.raises(OutOfResources) as caught:
+            matmul_kernel[(2, 2)](*matmul_args(aligned, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=2)
+        assert gpu.launches == []
+    assert {block_m for _, block_m in compiles} == {128}
+    assert "the grid is a tuple computed by the caller" in "\n".join(caught.value.__notes__)
