@@ -20,6 +20,7 @@ _lock = threading.RLock()
 _active: Settings | None = None  # the settings the guard was installed with
 _pending: Settings | None = None  # waiting for "import triton"
 _hook_registered = False
+_known_hooks_registered = False
 _reported_problems: set[str] = set()
 
 
@@ -27,6 +28,46 @@ def _patch_modules():
     from .patches import autotuner_bench, jit_compile, kernel_interface, max_shared_mem
 
     return autotuner_bench, jit_compile, kernel_interface, max_shared_mem
+
+
+def _known_kernel_patches():
+    """Patches of known kernels in other libraries, applied when (and each time) their module is imported."""
+    from .patches import deepgemm_metadata, vllm_batch_invariant
+
+    return (vllm_batch_invariant, deepgemm_metadata)
+
+
+def _patch_known_kernel(patch_module, reason: str) -> None:
+    """Apply one known-kernel patch; never raises (it may run inside the user's import)."""
+    try:
+        patch_module.patch(_active)
+    except Exception:
+        log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", patch_module.__name__, reason,
+                    exc_info=True)
+
+
+def _watch_known_kernels() -> None:
+    """Patch known kernels whose modules are imported, now and whenever one is imported later."""
+    global _known_hooks_registered
+    for patch_module in _known_kernel_patches():
+        if any(target in sys.modules for target in patch_module.TARGET_MODULES):
+            _patch_known_kernel(patch_module, "already imported")
+    if _known_hooks_registered:
+        return  # hooks cannot be removed; they do nothing while the guard is not installed
+    import wrapt
+
+    def hook_for(patch_module):
+        def on_import(module) -> None:
+            with _lock:
+                if _active is not None and not _active.observe_only:
+                    _patch_known_kernel(patch_module, f"on import of {module.__name__}")
+
+        return on_import
+
+    for patch_module in _known_kernel_patches():
+        for target in patch_module.TARGET_MODULES:
+            wrapt.register_post_import_hook(hook_for(patch_module), target)
+    _known_hooks_registered = True
 
 
 def _fail(message: str, settings: Settings) -> bool:
@@ -82,6 +123,8 @@ def _patch(settings: Settings) -> bool:
         return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
                      "Triton is left untouched and kernels run unguarded.", settings)
     _active = settings
+    if not settings.observe_only:
+        _watch_known_kernels()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
              settings.describe_limit())
     return True
@@ -151,7 +194,7 @@ def uninstall() -> None:
         from . import recovery
 
         recovery.forget()
-        for module in reversed(_patch_modules()):
+        for module in (*_known_kernel_patches(), *reversed(_patch_modules())):
             try:
                 module.unpatch()
             except Exception:

