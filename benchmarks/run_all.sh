@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Every GPU benchmark in one command (about 6 minutes on an H200); JSON results go to $1 (default: .).
+# The CPU-side preflight benchmark is separate: python benchmarks/preflight_speed.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-.}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 benchmarks/launch_overhead.py --json "$out/launch_overhead.json"
+python3 benchmarks/recovery_cost.py --json "$out/recovery_cost.json"
+python3 benchmarks/recovered_speed.py --json "$out/recovered_speed.json"
