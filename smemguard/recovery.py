@@ -45,6 +45,11 @@ log = logging.getLogger("smemguard")
 #: large config list must not stall a server for minutes.
 MAX_CANDIDATES = 16
 
+#: Fitting candidates of an autotuned kernel timed against each other before choosing: the
+#: tuned config with fewer stages and the fastest-timed other configs. Fewer stages keep the
+#: tiles but can cost a third of the throughput (benchmarks/recovered_speed.py).
+RACE = 3
+
 STAGES_REDUCED = "stages_reduced"
 WARPS_REDUCED = "warps_reduced"
 CONFIG_CHANGED = "config_changed"
@@ -114,6 +119,7 @@ class Decision:
     replacement: Any = None  # the compiled kernel that runs instead (STAGES_REDUCED, WARPS_REDUCED)
     options: dict | None = None  # the option change that made it ({"num_stages": 3})
     remembered: bool = False  # taken from the decision cache rather than by trying candidates
+    timings: dict | None = None  # median ms of each fitting candidate timed before choosing
 
 
 def _runs_as(layer, cls) -> bool:
@@ -212,7 +218,8 @@ def _tile_size(config) -> int:
 
 
 def _candidate_configs(launch: Launch):
-    """The other allowed configs, as-is first, then with fewer stages.
+    """(candidate, the allowed config it derives from): the other allowed configs as they are
+    first, then with fewer stages.
 
     Order: timed fastest by the autotuner for this key first, then untimed ones by tile size
     (largest first); configs that already failed while tuning this key are only retried with
@@ -224,13 +231,13 @@ def _candidate_configs(launch: Launch):
     untimed = sorted((c for c in others if c not in timings),
                      key=lambda c: (_tile_size(c), c.num_stages, c.num_warps), reverse=True)
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
-    yield from timed
-    yield from untimed
+    for config in (*timed, *untimed):
+        yield config, config
     for config in (*timed, *untimed, *failed):
         for stages in range(config.num_stages - 1, 0, -1):
             variant = copy.copy(config)
             variant.num_stages = stages
-            yield variant
+            yield variant, config
 
 
 def _allowed_configs(launch: Launch) -> list:
@@ -278,6 +285,7 @@ def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
 def _decide(launch: Launch, failing, error) -> Decision:
     attempts = [Attempt(describe(launch, failing), error.required, error.limit, False)]
     budget = MAX_CANDIDATES
+    fitting: list[Decision] = []  # candidates that fit, most preferred first
 
     for option, value in _option_ladder(failing, error.name):
         if budget == 0:
@@ -287,11 +295,17 @@ def _decide(launch: Launch, failing, error) -> Decision:
         attempts.append(attempt)
         if attempt.fits:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
-            return Decision(action, tuple(attempts), final=attempt.config, replacement=kernel, options={option: value})
-
-    for config in _candidate_configs(launch):
-        if budget == 0:
+            fitting.append(Decision(action, (), final=attempt.config, replacement=kernel, options={option: value}))
             break
+
+    racing = _can_race(launch)
+    wanted = RACE if racing else 1
+    fitted_bases: list = []  # a config that fits needs no fewer-stage variant
+    for config, base in _candidate_configs(launch) if len(fitting) < wanted else ():
+        if budget == 0 or len(fitting) >= wanted:
+            break
+        if any(base is fitted for fitted in fitted_bases):
+            continue
         budget -= 1
         candidate = with_config(launch, config)
         # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
@@ -299,13 +313,65 @@ def _decide(launch: Launch, failing, error) -> Decision:
         kernel, attempt = _try(candidate, str(config))
         attempts.append(attempt)
         if attempt.fits:
-            _adopt(launch, config)
-            return Decision(CONFIG_CHANGED, tuple(attempts), config=config, final=attempt.config)
+            fitted_bases.append(base)
+            fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
+
+    if fitting:
+        chosen, timings = _fastest(launch, fitting) if racing and len(fitting) > 1 else (fitting[0], None)
+        if chosen.action == CONFIG_CHANGED:
+            _adopt(launch, chosen.config)
+        return dataclasses.replace(chosen, attempts=tuple(attempts), timings=timings)
 
     fallback = registry.fallback_for(launch.jit)
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback, final=f"fallback {_name(fallback)}")
     return Decision(RERAISED, tuple(attempts), reason=_why_nothing_fits(launch, budget))
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return True  # when in doubt, launch nothing extra
+
+
+def _can_race(launch: Launch) -> bool:
+    """Candidates of an autotuned kernel can be timed with its own benchmark, except during graph capture."""
+    return launch.autotuner is not None and len(launch.autotuner.configs) > 1 and not _capturing()
+
+
+def _fastest(launch: Launch, fitting: list[Decision]) -> tuple[Decision, dict | None]:
+    """The fitting candidate the autotuner's own benchmark times fastest, and every timing.
+
+    ``Autotuner._bench`` is what the autotuner uses to tune: it runs the kernel's
+    reset_to_zero / restore_value hooks, so kernels that accumulate into their outputs are
+    timed safely. Ties keep the preferred order (fewer stages of the tuned config first).
+    """
+    tuner = launch.autotuner
+    timings: dict[str, float] = {}
+    best, best_ms = fitting[0], math.inf
+    tuner.nargs = dict(zip(tuner.arg_names, launch.args))
+    try:
+        for decision in fitting:
+            if decision.config is not None:
+                config = decision.config
+            else:
+                config = copy.copy(launch.config)
+                for option, value in decision.options.items():
+                    setattr(config, option, value)
+            median = tuner._bench(*launch.args, config=config, grid=launch.grid, warmup=False,
+                                  **launch.tuner_kwargs)[0]
+            timings[decision.final] = median
+            if median < best_ms:
+                best, best_ms = decision, median
+    except Exception:
+        log.debug("smemguard: timing the candidates failed; keeping the preferred one", exc_info=True)
+        return fitting[0], timings or None
+    finally:
+        tuner.nargs = None
+    return best, timings
 
 
 def _adopt(launch: Launch, config) -> None:
@@ -631,6 +697,7 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         "reason": decision.reason or None,
         "attempts": [vars(a) for a in decision.attempts],
         "remembered": decision.remembered,
+        "timings_ms": decision.timings,
         "recovery_ms": elapsed_ms,
     }
     if launch is not None:

@@ -74,7 +74,9 @@ def test_autotune_trap_recovers_with_fewer_stages_and_then_costs_nothing(install
     assert record["action"] == "stages_reduced"
     assert record["kernel"] == "smemguard.examples:matmul_kernel" and record["launched_as"] == "Autotuner"
     assert (record["required"], record["limit_hit"], record["resource"]) == (49152, 40000, "shared memory")
-    assert [(a["required"], a["fits"]) for a in record["attempts"]] == [(49152, False), (32768, True)]
+    # The 3-stage variant and the other config both fit; timed equal by the stand-in GPU, fewer stages win.
+    assert [(a["required"], a["fits"]) for a in record["attempts"]] == [(49152, False), (32768, True), (12288, True)]
+    assert len(record["timings_ms"]) == 2
     assert record["args"]["a_ptr"] == {"shape": [N, N], "stride": [N, 1], "dtype": "torch.float16", "ptr_mod_16": 0}
     assert record["specialization"]["a_ptr"] == "div16" and record["specialization"]["stride_ak"] == "==1"
     assert record["constexprs"] == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
@@ -432,3 +434,22 @@ def test_registered_alternatives_never_apply_to_a_tuple_grid(install_guard, inci
         assert gpu.launches == []
     assert {block_m for _, block_m in compiles} == {128}
     assert "the grid is a tuple computed by the caller" in "\n".join(caught.value.__notes__)
+
+
+def test_the_faster_of_fewer_stages_and_another_config_is_chosen_by_timing(install_guard, incident_log,
+                                                                          triton_cache):
+    """Fewer stages keep the tiles but can be slower than another config that fits: both are timed."""
+    aligned, misaligned = aligned_and_misaligned()
+    b, c = operands()
+    tuned = autotuned([config(64, 64, 64, 4), config(32, 32, 32, 4)])
+    install_guard()
+    with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(N, N)](*matmul_args(misaligned, b, c))
+        timings = iter([5.0, 1.0])  # the 3-stage 64x64 variant, then 32x32
+        gpu.bench_ms = lambda: next(timings)
+        tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
+        assert (gpu.launches[-1].shared, gpu.launches[-1].grid) == (12288, (8, 8, 1))
+        assert tuned.cache[next(iter(tuned.cache))].kwargs["BLOCK_M"] == 32
+    [record] = records(incident_log)
+    assert record["action"] == "config_changed"
+    assert sorted(record["timings_ms"].values()) == [1.0, 5.0]
