@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("smemguard")
 
@@ -59,3 +60,48 @@ def warn_once(case: tuple, message: str, *args) -> None:
 
 def host() -> str:
     return socket.gethostname()
+
+
+def describe_arg(value) -> Any:
+    """A kernel argument as the record keeps it: tensors by shape, stride, dtype and alignment."""
+    if hasattr(value, "data_ptr") and hasattr(value, "shape"):
+        return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype),
+                "ptr_mod_16": value.data_ptr() % 16}
+    if hasattr(value, "base") and hasattr(value, "block_shape"):  # TMA tensor descriptor
+        return {"descriptor": True, "base": describe_arg(value.base), "shape": [int(s) for s in value.shape],
+                "strides": [int(s) for s in value.strides], "block_shape": list(value.block_shape)}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def specialization(jit, named: dict) -> dict:
+    """What Triton specializes on, per int or pointer argument: ``"==1"``, ``"div16"`` or ``""``."""
+    spec = {}
+    for param in jit.params:
+        value = named.get(param.name)
+        if param.is_constexpr or getattr(param, "do_not_specialize", False) or isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            spec[param.name] = "==1" if value == 1 else ("div16" if value % 16 == 0 else "")
+        elif hasattr(value, "data_ptr"):
+            spec[param.name] = "div16" if value.data_ptr() % 16 == 0 else ""
+    return spec
+
+
+def evaluate_grid(grid, named: dict):
+    """The launch grid as a list, evaluated the way Triton does for a grid function."""
+    try:
+        return list(grid(named) if callable(grid) else grid)
+    except Exception:
+        return str(grid)
+
+
+def rank() -> int | None:
+    """torch.distributed's rank when it is initialised (the vLLM worker's), else None."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None

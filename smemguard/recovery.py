@@ -629,48 +629,11 @@ def _remember(launch: Launch, failing, decision: Decision, shared) -> Decision:
     return theirs if theirs is not None else decision
 
 
-def _arg_record(value) -> Any:
-    if hasattr(value, "data_ptr") and hasattr(value, "shape"):
-        return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype),
-                "ptr_mod_16": value.data_ptr() % 16}
-    if hasattr(value, "base") and hasattr(value, "block_shape"):  # TMA tensor descriptor
-        return {"descriptor": True, "base": _arg_record(value.base), "shape": [int(s) for s in value.shape],
-                "strides": [int(s) for s in value.strides], "block_shape": list(value.block_shape)}
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    return str(value)
-
-
-def _specialization(launch: Launch, named: dict) -> dict:
-    """What Triton specializes on, per argument: == 1 and divisibility by 16."""
-    spec = {}
-    for param in launch.jit.params:
-        value = named.get(param.name)
-        if param.is_constexpr or getattr(param, "do_not_specialize", False):
-            continue
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            spec[param.name] = "==1" if value == 1 else ("div16" if value % 16 == 0 else "")
-        elif hasattr(value, "data_ptr"):
-            spec[param.name] = "div16" if value.data_ptr() % 16 == 0 else ""
-    return spec
-
-
 def _device_record(device: int) -> dict:
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
     return {"name": _gpu_name(device), "backend": target.backend, "arch": target.arch, "index": device}
-
-
-def _rank() -> int | None:
-    try:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    except Exception:
-        return None
 
 
 def _record(launch, launched, failing, error, decision: Decision, started: float, settings) -> Decision:
@@ -683,7 +646,7 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "pid": os.getpid(),
         "host": incidents.host(),
-        "rank": _rank(),
+        "rank": incidents.rank(),
         "kernel": kernel,
         "launched_as": type(launched).__name__,
         "triton": triton_version(),
@@ -707,13 +670,13 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         record.update({
             "source": f"{code.co_filename}:{code.co_firstlineno}",
             "source_hash": source_hash(launch.jit),
-            "constexprs": {k: _arg_record(v) for k, v in named.items() if k in constexpr_names},
+            "constexprs": {k: incidents.describe_arg(v) for k, v in named.items() if k in constexpr_names},
             "num_warps": failing.metadata.num_warps,
             "num_stages": failing.metadata.num_stages,
             "config": describe(launch, failing),
-            "grid": _grid_record(launch.grid, named),
-            "args": {k: _arg_record(v) for k, v in named.items() if k not in constexpr_names},
-            "specialization": _specialization(launch, named),
+            "grid": incidents.evaluate_grid(launch.grid, named),
+            "args": {k: incidents.describe_arg(v) for k, v in named.items() if k not in constexpr_names},
+            "specialization": incidents.specialization(launch.jit, named),
             "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
         })
     where = incidents.write(record, settings.log_path)
@@ -725,13 +688,6 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
         f"; record {where}" if where else "")
     log.debug("smemguard incident: %s", record)
     return dataclasses.replace(decision, record=where)
-
-
-def _grid_record(grid, named: dict):
-    try:
-        return list(grid(named) if callable(grid) else grid)
-    except Exception:
-        return str(grid)
 
 
 def _action_text(decision: Decision) -> str:
@@ -749,7 +705,7 @@ def _explain(launch: Launch, decision: Decision, error) -> str:
     named = launch.named_args()
     code = launch.jit.fn.__code__
     tensors = ", ".join(f"{k}: {v['dtype']}{v['shape']} stride {v['stride']}" for k, v in
-                        ((k, _arg_record(v)) for k, v in named.items()) if isinstance(v, dict) and "dtype" in v)
+                        ((k, incidents.describe_arg(v)) for k, v in named.items()) if isinstance(v, dict) and "dtype" in v)
     lines = [
         f"smemguard could not recover {registry.kernel_name(launch.jit)} ({code.co_filename}:{code.co_firstlineno}):",
         f"  {error.name}: required {error.required}, limit {error.limit}",
