@@ -9,6 +9,7 @@ Importing this package imports neither Triton nor torch.
 __version__ = "0.1.0"
 
 from .guard import install, is_installed, uninstall  # noqa: E402
+from .preflight import fits, fits_for  # noqa: E402
 from .registry import (  # noqa: E402
     register_alternatives,
     register_fallback,
@@ -17,4 +18,4 @@ from .registry import (  # noqa: E402
 )
 
 __all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback",
-           "register_alternatives", "unregister_alternatives", "__version__"]
+           "register_alternatives", "unregister_alternatives", "fits", "fits_for", "__version__"]

@@ -22,6 +22,7 @@ examples:
   smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
   smemguard demo --gpu T4        the same against a T4's 65536-byte limit
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
+  smemguard check --examples --gpu L4,A100,H100   which configs of the example kernels overflow which GPU
   smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
   smemguard replay incidents.jsonl --index 3   rebuild record 3's launch and run it again
   smemguard cache show           the decisions this host remembers
@@ -250,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--dir", type=Path, help="cache directory (default: SMEMGUARD_CACHE_DIR)")
     cache.add_argument("--json", action="store_true", help="with show: the raw file")
     cache.set_defaults(run=_cache)
+
+    from .preflight import add_check_command
+
+    add_check_command(commands)
     return parser
 
 
