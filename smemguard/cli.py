@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--json", action="store_true", help="with show: the raw file")
     cache.set_defaults(run=_cache)
 
-    from .preflight import add_check_command
+    from .cli_check import add_check_command
 
     add_check_command(commands)
     return parser

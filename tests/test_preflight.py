@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from smemguard import gpus, preflight
+from smemguard import cli_check, gpus, preflight
 from smemguard.examples import (attention_fwd_kernel, matmul_args, matmul_kernel, matmul_persistent_kernel,
                                 tiled_grid)
 from smemguard.testing import fake_gpu
@@ -44,7 +44,7 @@ def check_cli(argv, monkeypatch, cache, triton_cache):
     monkeypatch.setattr(preflight, "default_cache", lambda: cache)
     monkeypatch.setenv("TRITON_CACHE_DIR", triton_cache)  # spawned compiler processes inherit it
     parser = argparse.ArgumentParser(prog="smemguard")
-    preflight.add_check_command(parser.add_subparsers(dest="command"))
+    cli_check.add_check_command(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["check", *argv])
     return args.run(args)
 
@@ -253,7 +253,7 @@ def test_usage_errors_exit_2(monkeypatch, capsys, results, triton_cache):
 
 def test_help_teaches_targets_exit_status_and_the_json_schema(capsys):
     parser = argparse.ArgumentParser(prog="smemguard")
-    preflight.add_check_command(parser.add_subparsers(dest="command"))
+    cli_check.add_check_command(parser.add_subparsers(dest="command"))
     with pytest.raises(SystemExit):
         parser.parse_args(["check", "--help"])
     text = capsys.readouterr().out

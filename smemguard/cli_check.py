@@ -1,0 +1,194 @@
+"""``smemguard check``: the command line of :mod:`smemguard.preflight`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Iterable
+
+from . import gpus, preflight
+from .preflight import Progress, ResultCache, TargetError, check, discover, format_summary, format_table
+
+
+HELP = "report which Triton kernel configs overflow which GPUs' shared memory (no GPU needed)"
+
+DESCRIPTION = """\
+Finds the Triton kernels in TARGET (JIT functions, autotuners, heuristics), compiles each config for
+each GPU's arch on this machine with Triton's own compiler, and compares the shared memory each
+compiled kernel needs with the GPU's per-block limit: exactly the check that raises
+OutOfResources on the GPU. Each config is compiled as aligned launches (16-byte aligned
+pointers, sizes divisible by 16: the most shared memory) and as misaligned ones, plus the
+specializations you name with --one. No GPU is needed; AMD GPUs (gfx*) are listed as not checked.
+
+Exit status: 0 when every kernel has a fitting config on every GPU in every specialization,
+1 when some kernel has none on some GPU (it would raise OutOfResources there whatever the
+autotuner picks), 2 on a usage error. Use it to gate a deploy.
+
+Verdicts are measured by compiling, except clear cases of matmul-like configs, which a
+calibrated estimate decides (shown with ~; --exact compiles everything). Results are cached in
+$SMEMGUARD_CACHE_DIR/preflight, so a second run only compiles what changed.
+"""
+
+EPILOG = """\
+examples:
+  smemguard check --examples --gpu L4,A100,H100
+      smemguard's example kernels (a FlagGems-like 216-config matmul, vLLM's persistent fp32 matmul,
+      a flash-attention forward) against three GPUs
+  smemguard check my_pkg.kernels --gpu L4 --json > smem.json
+      every kernel in a module, machine-readable (schema smemguard.check/1, see below)
+  smemguard check kernels.py:matmul --gpu L20 --meta BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=4
+      one plain @triton.jit kernel, one config
+  smemguard check my_pkg.ops:moe --gpu L4 --one N --sig scale=fp32 --dtype bf16
+
+what the check needs to know (guessed, or given):
+  argument types   pointers are found in the source (loaded from / stored to, or named *ptr) and
+                   get --dtype; other arguments are i32. --sig NAME=TYPE,... fixes a guess
+                   (TYPE: *fp16, *bf16, *fp32, i32, i64, fp32).
+  strides of 1     the innermost stride of a contiguous tensor is 1 in every launch, which Triton
+                   compiles as a constant: by default the last of each group stride_xm, stride_xk
+                   (--unit NAMES to say which, --unit none for none).
+  configs          an autotuner's own list; for a plain @triton.jit kernel, one --meta per config.
+  constexprs       --const NAME=VALUE for those no config sets (HEAD_DIM=128).
+  A module can declare the same per kernel: SMEMGUARD_PREFLIGHT = {"kernel": {"dtype": "fp32",
+  "signature": {...}, "constants": {...}, "configs": [...], "ones": [["N"]], "unit": [...]}}
+  (see smemguard/examples.py); options given here win.
+
+--json: {"schema": "smemguard.check/1", "exit_status", "gpus": [{name, arch, limit, checked}],
+  "kernels": [{kernel, jit, specializations, unit_args, configs: [{config, constexprs, num_warps,
+  num_stages, gpus: {GPU: {fits, specializations: {SPEC: {verdict: fits|overflows|error|not_checked,
+  how: measured|cached|estimated, shared, estimate: {low, high}, error}}}}}]}],
+  "summary": {GPU: {checked, configs, fit, kernels_without_fit: [{kernel, specializations}]}},
+  "verdicts": {measured, cached, estimated}, "compiles", "cache_hits", "seconds"}
+"""
+
+
+def _key_values(text: str, option: str) -> dict[str, Any]:
+    values = {}
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        name, sep, raw = part.partition("=")
+        if not sep or not name.strip():
+            raise TargetError(f"{option} {text!r}: expected NAME=VALUE,NAME=VALUE")
+        values[name.strip()] = _parse_value(raw.strip())
+    return values
+
+
+def _parse_value(raw: str):
+    if raw in ("True", "False"):
+        return raw == "True"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
+    chosen = []
+    for name in (name for text in texts for name in _names(text)):
+        gpu = gpus.lookup(name)
+        if gpu is None:
+            raise TargetError(f"unknown GPU {name!r}; known: {', '.join(gpus.names())} (see 'smemguard gpus')")
+        if gpu not in chosen:
+            chosen.append(gpu)
+    if not chosen:
+        raise TargetError("name at least one GPU with --gpu (e.g. --gpu L4,A100,H100)")
+    return chosen
+
+
+def _overrides(args) -> dict:
+    overrides: dict[str, Any] = {}
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    if args.sig:
+        overrides["signature"] = {name: str(ty) for text in args.sig for name, ty in _key_values(text, "--sig").items()}
+    if args.const:
+        overrides["constants"] = {name: value for text in args.const for name, value in _key_values(text, "--const").items()}
+    if args.meta:
+        overrides["configs"] = [_key_values(text, "--meta") for text in args.meta]
+    if args.one:
+        overrides["ones"] = [_names(text) for text in args.one]
+    if args.unit:
+        overrides["unit"] = args.unit if args.unit in ("auto", "none") else _names(args.unit)
+    return overrides
+
+
+def add_check_command(subparsers) -> argparse.ArgumentParser:
+    """Add ``check`` to an argparse subparsers object; the parsed namespace runs with :func:`run_check`."""
+    parser = subparsers.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("targets", nargs="*", metavar="TARGET",
+                        help="a module (pkg.kernels), a kernel in one (pkg.kernels:matmul), or a file (kernels.py, "
+                             "kernels.py:matmul)")
+    parser.add_argument("--examples", action="store_true", help="also check smemguard's example kernels")
+    parser.add_argument("--gpu", action="append", required=True, metavar="GPU[,GPU...]",
+                        help="GPUs to check against, by name or alias from 'smemguard gpus' (L4, A100, H100, ...)")
+    parser.add_argument("--meta", action="append", metavar="NAME=VALUE,...",
+                        help="one config: constexprs and num_warps/num_stages; repeat for more (replaces an "
+                             "autotuner's list)")
+    parser.add_argument("--const", action="append", metavar="NAME=VALUE,...",
+                        help="constexprs every config needs but none sets (HEAD_DIM=128)")
+    parser.add_argument("--one", action="append", metavar="NAME[,NAME...]",
+                        help="also check launches where these integer arguments equal 1 (N == 1); repeatable")
+    parser.add_argument("--unit", metavar="NAMES|auto|none",
+                        help="arguments that are 1 in every launch (innermost strides; default auto)")
+    parser.add_argument("--dtype", metavar="TYPE", help="element type of pointer arguments (default fp16)")
+    parser.add_argument("--sig", action="append", metavar="NAME=TYPE,...", help="argument types (scale=fp32)")
+    parser.add_argument("--exact", action="store_true", help="compile every config (no estimated verdicts)")
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help=f"compiler processes (default: the CPU count, {os.cpu_count()} here)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write cached results")
+    parser.add_argument("--json", action="store_true", help="print the JSON document (schema smemguard.check/1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.set_defaults(run=run_check)
+    return parser
+
+
+def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
+    """Progress on stderr: the compile just finished, at most one line per ``every`` seconds, and the last."""
+    shown_at = -math.inf
+
+    def show(event: Progress) -> None:
+        nonlocal shown_at
+        if event.done < event.planned and event.elapsed - shown_at < every:
+            return
+        shown_at = event.elapsed
+        item, result = event.item, event.item.result or {}
+        outcome = f"{result['shared']} B" if result.get("shared") is not None else "compile error"
+        print(f"smemguard check: [{event.done}/{event.planned}] sm_{item.arch} {item.kernel.name.rsplit(':', 1)[-1]} "
+              f"{item.variant.label()} {item.spec.name}: {outcome} ({result.get('seconds', 0):.1f} s; "
+              f"{event.elapsed:.0f} s elapsed)", file=sys.stderr, flush=True)
+
+    return show
+
+
+def run_check(args) -> int:
+    """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
+    try:
+        gpu_list = parse_gpus(args.gpu)
+        kernels = discover(args.targets, examples=args.examples, overrides=_overrides(args))
+    except TargetError as error:
+        print(f"smemguard check: {error}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        variants = sum(len(kernel.variants) for kernel in kernels)
+        print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
+              f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with "
+              f"{args.jobs or os.cpu_count()} processes", file=sys.stderr, flush=True)
+    report = check(kernels, gpu_list, exact=args.exact, jobs=args.jobs,
+                   cache=ResultCache(None) if args.no_cache else preflight.default_cache(),
+                   progress=None if args.quiet else _progress_printer())
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_table(report))
+        print()
+        print(format_summary(report))
+    return report.exit_status
