@@ -55,10 +55,15 @@ def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(ins
     assert vllm_batch_invariant.is_patched()
     a, b, bias = torch.randn(64, 256), torch.randn(256, 1), torch.randn(1)
     c = torch.full((64, 1), float("nan"))
-    with fake_gpu("L20", max_shared=40000, cache_dir=triton_cache) as gpu:  # sm_89, fp32, N == 1: 3 stages overflow
-        kernel = launch(a, b, c)
-        assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
-    assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
+    with fake_gpu("L20", max_shared=10**7, cache_dir=triton_cache):
+        shared = {stages: launch(a, b, c, stages=stages).metadata.shared for stages in (2, 3)}
+    # Triton 3.4 and 3.9 pipeline this loop (32768 B at 2 stages, 65536 at 3); 3.6 keeps a 65536 B epilogue
+    # at any stage count on sm_89, where only the fallback can help.
+    if shared[2] < shared[3]:
+        with fake_gpu("L20", max_shared=(shared[2] + shared[3]) // 2, cache_dir=triton_cache) as gpu:
+            kernel = launch(a, b, c)
+            assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
+        assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
     with fake_gpu("L20", max_shared=8192, cache_dir=triton_cache) as gpu:  # no stage count of 128x128x32 fits
         assert launch(a, b, c, bias) is None
         assert gpu.launches == []
