@@ -9,7 +9,6 @@ Importing this package imports neither Triton nor torch.
 __version__ = "0.1.0"
 
 from .guard import install, is_installed, uninstall  # noqa: E402
-from .preflight import fits, fits_for  # noqa: E402
 from .registry import (  # noqa: E402
     register_alternatives,
     register_fallback,
@@ -19,3 +18,13 @@ from .registry import (  # noqa: E402
 
 __all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback",
            "register_alternatives", "unregister_alternatives", "fits", "fits_for", "__version__"]
+
+
+def __getattr__(name):
+    # The preflight engine (process pools, AST tools) is not needed to guard launches: every vLLM
+    # process imports smemguard at plugin registration, so it loads on first use only.
+    if name in ("fits", "fits_for"):
+        from . import preflight
+
+        return getattr(preflight, name)
+    raise AttributeError(f"module 'smemguard' has no attribute {name!r}")
