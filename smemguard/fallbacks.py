@@ -3,6 +3,8 @@
 ``batch_invariant_mm`` stands in for vLLM's batch-invariant ``matmul_kernel_persistent``
 (see :mod:`smemguard.patches.vllm_batch_invariant`).
 
+``cublas_mm`` stands in for FlagGems' Triton matmuls (see :mod:`smemguard.patches.flaggems`).
+
 ``paged_mqa_logits_metadata`` stands in for DeepGEMM's ``get_paged_mqa_logits_metadata``,
 which vLLM calls (through ``vllm.utils.deep_gemm``) on every decode step of the DeepSeek
 sparse-attention indexer to split the paged-MQA-logits work across SMs. Why it needs a
@@ -166,3 +168,21 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias
         if extra is not None:
             product += extra
         out[start:start + count] = product[:count].to(out.dtype)
+
+
+def cublas_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` with PyTorch's own GEMM (cuBLAS on CUDA), even where ``aten::mm`` is overridden.
+
+    FlagGems registers its Triton matmul as the CUDA kernel of ``aten::mm``, ``mm.out``,
+    ``addmm``, ``bmm`` and their relatives, so ``torch.mm`` inside a fallback for that very
+    kernel would run the kernel that just failed. ``aten::mm.dtype_out`` (the ``out_dtype=``
+    overload of ``torch.mm``) is not among them: on CUDA it goes straight to PyTorch's cuBLAS
+    path. Operands of another dtype than ``out`` are cast first, as FlagGems' kernel does.
+    Libraries register their overrides for the device's dispatch key only, so on the CPU this
+    is ``torch.mm``.
+    """
+    a, b = a.to(out.dtype), b.to(out.dtype)
+    if out.device.type == "cuda":
+        torch.ops.aten.mm.dtype_out(a, b, out.dtype, out=out)
+    else:
+        torch.mm(a, b, out=out)

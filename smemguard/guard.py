@@ -32,9 +32,9 @@ def _patch_modules():
 
 def _known_kernel_patches():
     """Patches of known kernels in other libraries, applied when (and each time) their module is imported."""
-    from .patches import deepgemm_metadata, vllm_batch_invariant
+    from .patches import deepgemm_metadata, flaggems, vllm_batch_invariant
 
-    return (vllm_batch_invariant, deepgemm_metadata)
+    return (vllm_batch_invariant, deepgemm_metadata, flaggems)
 
 
 def _patch_known_kernel(patch_module, reason: str) -> None:

@@ -13,8 +13,9 @@ kernel is never launched to find out whether it fits):
 4. otherwise the original ``OutOfResources`` is re-raised, with a note saying what was tried.
 
 Tile sizes of a plain ``@triton.jit`` kernel are never changed: its grid was computed by
-the caller from them. Only launches whose layers are Triton's own (JIT function, autotuner,
-heuristics) are retried, because each of those launches exactly one kernel and enqueues
+the caller from them. Only launches whose every layer is understood are retried (Triton's
+JIT function, autotuner and heuristics, and the library layers described in
+:mod:`smemguard.layers`), because each of those launches exactly one kernel and enqueues
 nothing before the check fails.
 
 A decision is taken once per failing compiled kernel (under a lock, so concurrent threads
@@ -36,7 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import decisions, incidents, registry
+from . import decisions, incidents, layers, registry
 from .patches import autotuner_bench, max_shared_mem, triton_version
 
 log = logging.getLogger("smemguard")
@@ -77,16 +78,17 @@ class Attempt:
 class Launch:
     """A failed launch, resolved down to the JIT function it reached."""
 
-    launched: Any  # what the user indexed: JIT function, autotuner or heuristics
+    launched: Any  # what the user indexed: JIT function, autotuner, heuristics, a library's entry
     grid: Any
     args: tuple
     kwargs: dict
     jit: Any
     jit_kwargs: dict  # the kwargs ``jit.run`` received
-    autotuner: Any = None
+    autotuner: Any = None  # the tuning layer (Triton's Autotuner or a library's)
     tuning_key: tuple | None = None
     config: Any = None  # the autotuner config in force
     tuner_kwargs: dict = field(default_factory=dict)  # the kwargs the autotuner layer received
+    tuner: layers.Tuner | None = None  # how to read and update ``autotuner``
 
     def named_args(self) -> dict:
         """Every kernel parameter by name, as the kernel sees it."""
@@ -122,41 +124,33 @@ class Decision:
     timings: dict | None = None  # median ms of each fitting candidate timed before choosing
 
 
-def _runs_as(layer, cls) -> bool:
-    """True when ``layer`` is a ``cls`` whose ``run`` is Triton's (possibly patched) own."""
-    return isinstance(layer, cls) and type(layer).run is cls.run
-
-
-def _config_in_force(autotuner, key):
-    if len(autotuner.configs) > 1 and key in autotuner.cache:
-        return autotuner.cache[key]
-    return getattr(autotuner, "best_config", None) or autotuner.configs[0]
-
-
 def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
-    """Follow heuristics and autotuner layers down to the JIT function, as their ``run`` would.
+    """Follow entry, heuristics and autotuner layers down to the JIT function, as their ``run`` would.
 
-    ``config`` replaces the autotuner's choice. None when a layer is not Triton's own.
+    ``config`` replaces the autotuner's choice. None when a layer is not understood
+    (:mod:`smemguard.layers`).
     """
-    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.autotuner import Heuristics
     from triton.runtime.jit import JITFunction
 
     layer, kw = launched, dict(kwargs)
-    autotuner = key = chosen = None
+    autotuner = key = chosen = tuner = None
     tuner_kwargs: dict = {}
     while not isinstance(layer, JITFunction):
-        if _runs_as(layer, Heuristics):
+        if layers.runs_as(layer, Heuristics):
             for name, heuristic in layer.values.items():
                 kw[name] = heuristic({**dict(zip(layer.arg_names, args)), **kw})
-        elif _runs_as(layer, Autotuner) and autotuner is None:
+        elif autotuner is None and (tuner := layers.tuner_for(layer)) is not None:
             autotuner, tuner_kwargs = layer, dict(kw)
-            key = autotuner_bench.tuning_key(layer, args, kw)
-            chosen = config if config is not None else _config_in_force(layer, key)
+            key = tuner.key(layer, args, kw)
+            chosen = config if config is not None else tuner.config_in_force(layer, key)
             kw = {**kw, **chosen.all_kwargs()}
+        elif layers.is_entry(layer):
+            pass
         else:
             return None
         layer = layer.fn
-    return Launch(launched, grid, args, kwargs, layer, kw, autotuner, key, chosen, tuner_kwargs)
+    return Launch(launched, grid, args, kwargs, layer, kw, autotuner, key, chosen, tuner_kwargs, tuner)
 
 
 def _current_device() -> int:
@@ -233,6 +227,8 @@ def _candidate_configs(launch: Launch):
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
     for config in (*timed, *untimed):
         yield config, config
+    if launch.tuner is not None and not launch.tuner.takes_variants:
+        return
     for config in (*timed, *untimed, *failed):
         for stages in range(config.num_stages - 1, 0, -1):
             variant = copy.copy(config)
@@ -377,7 +373,7 @@ def _fastest(launch: Launch, fitting: list[Decision]) -> tuple[Decision, dict | 
 def _adopt(launch: Launch, config) -> None:
     """Make later launches of an autotuned kernel use ``config`` directly."""
     if launch.autotuner is not None:
-        launch.autotuner.cache[launch.tuning_key] = config
+        launch.tuner.adopt(launch.autotuner, launch.tuning_key, config)
 
 
 def _why_nothing_fits(launch: Launch, budget: int) -> str:
@@ -482,6 +478,8 @@ def handle(launched, grid, args, kwargs, error, settings):
     case = _case_for(launch, failing)
     with case.lock:
         if case.decision is None:
+            # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
+            described = _described_args(launch)
             try:
                 shared = decisions.store(settings.cache_dir)
                 decision = _recall(launch, failing, shared) if shared else None
@@ -493,7 +491,7 @@ def handle(launched, grid, args, kwargs, error, settings):
                 log.warning("smemguard: internal error while recovering %s; re-raising the original error",
                             registry.kernel_name(launch.jit), exc_info=True)
                 raise error
-            case.decision = _record(launch, launched, failing, error, decision, started, settings)
+            case.decision = _record(launch, launched, failing, error, decision, started, settings, described)
     return _apply(case.decision, launch, failing, error)
 
 
@@ -556,6 +554,8 @@ def _config_from_entry(launch: Launch, entry: dict):
                 and getattr(config, "maxnreg", None) == entry["maxnreg"] and config.num_stages >= entry["num_stages"]):
             if config.num_stages == entry["num_stages"]:
                 return config
+            if launch.tuner is not None and not launch.tuner.takes_variants:
+                return None
             variant = copy.copy(config)
             variant.num_stages = entry["num_stages"]
             return variant
@@ -636,8 +636,18 @@ def _device_record(device: int) -> dict:
     return {"name": _gpu_name(device), "backend": target.backend, "arch": target.arch, "index": device}
 
 
-def _record(launch, launched, failing, error, decision: Decision, started: float, settings) -> Decision:
-    """Write the incident record and the one-line warning; return the decision with its location."""
+def _described_args(launch: Launch) -> dict:
+    """The kernel's non-constexpr arguments as the incident record keeps them."""
+    constexpr_names = {p.name for p in launch.jit.params if p.is_constexpr}
+    return {k: incidents.describe_arg(v) for k, v in launch.named_args().items() if k not in constexpr_names}
+
+
+def _record(launch, launched, failing, error, decision: Decision, started: float, settings,
+            described: dict | None = None) -> Decision:
+    """Write the incident record and the one-line warning; return the decision with its location.
+
+    ``described``: the arguments as :func:`_described_args` saw them at the failure, if taken then.
+    """
     elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
     device = _current_device()
     kernel = registry.kernel_name(launch.jit if launch is not None else launched)
@@ -675,7 +685,7 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
             "num_stages": failing.metadata.num_stages,
             "config": describe(launch, failing),
             "grid": incidents.evaluate_grid(launch.grid, named),
-            "args": {k: incidents.describe_arg(v) for k, v in named.items() if k not in constexpr_names},
+            "args": described if described is not None else _described_args(launch),
             "specialization": incidents.specialization(launch.jit, named),
             "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
         })

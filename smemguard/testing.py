@@ -137,6 +137,40 @@ class _Driver:
     def launcher_cls(self, src, metadata) -> _Launcher:
         return _Launcher(self._gpu, metadata)
 
+    # What ``triton.testing.do_bench`` uses: autotuners given ``warmup``/``rep`` (FlagGems' LibTuner) time with it.
+    def get_device_interface(self) -> "_DeviceInterface":
+        return _DeviceInterface(self._gpu)
+
+    def get_empty_cache_for_benchmark(self) -> None:
+        return None
+
+    def clear_cache(self, cache) -> None:
+        pass
+
+
+class _Event:
+    def __init__(self, gpu: FakeGpu) -> None:
+        self._gpu = gpu
+
+    def record(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return self._gpu.bench_ms()
+
+
+class _DeviceInterface:
+    """The ``torch.cuda`` calls ``do_bench`` makes: every timed interval lasts ``bench_ms()``."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self._gpu = gpu
+
+    def synchronize(self) -> None:
+        pass
+
+    def Event(self, enable_timing: bool = True) -> _Event:  # noqa: N802 (torch.cuda's name)
+        return _Event(self._gpu)
+
 
 class _FakeModule:
     """What ``load_binary`` returns as the module; marks kernels loaded on the stand-in."""

@@ -154,3 +154,52 @@ def test_replay_on_the_gpu_reproduces_and_checks_the_recovered_output(install_gu
     print(out)  # kept in the GPU log: the README's replay example comes from here
     assert "reproduced: OutOfResources shared memory, required 131072 B, limit 101376 B" in out
     assert "recovered output equals the original config's bitwise" in out
+
+
+def _kernel_names(profile) -> list[str]:
+    return [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_cublas_mm_bypasses_flaggems_override_of_aten_mm():
+    flag_gems = pytest.importorskip("flag_gems")
+    from smemguard.fallbacks import cublas_mm
+
+    a = torch.randn(300, 512, device="cuda", dtype=torch.float16)
+    b = torch.randn(512, 256, device="cuda", dtype=torch.float16)
+    expected = torch.mm(a, b)  # PyTorch's own, before FlagGems is enabled
+    out = torch.empty_like(expected)
+    with flag_gems.use_gems(include=["mm"]):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as overridden:
+            torch.mm(a, b)
+            torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as bypassed:
+            cublas_mm(a, b, out)
+            torch.cuda.synchronize()
+    assert any("mm_kernel" in name for name in _kernel_names(overridden)), "FlagGems' matmul runs aten::mm here"
+    assert _kernel_names(bypassed) and not any("mm_kernel" in name for name in _kernel_names(bypassed))
+    assert torch.equal(out, expected), "the same cuBLAS product as torch.mm without FlagGems"
+
+
+def test_flaggems_matmul_that_fits_nowhere_falls_back_to_cublas_through_its_own_aten_mm(install_guard,
+                                                                                        incident_log):
+    """FlagGems serves torch.mm; no config of its Hopper matmul fits 12 KiB; the fallback must not re-enter it."""
+    flag_gems = pytest.importorskip("flag_gems")
+    import importlib
+
+    hopper = importlib.import_module("flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+    tuner = hopper.mm_kernel_general_host_tma.fn
+    saved, tuner.configs = tuner.configs, [c for c in tuner.configs if c.kwargs["BLOCK_K"] == 64
+                                           and c.kwargs["BLOCK_M"] == 64 and c.num_warps == 4]
+    try:
+        install_guard(max_shared=12288)
+        a = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+        expected = torch.mm(a, b)
+        with flag_gems.use_gems(include=["mm"]):
+            got = torch.mm(a, b)
+            again = torch.mm(a, b)
+    finally:
+        tuner.configs = saved
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    actions = [record["action"] for record in records(incident_log)]
+    assert actions == ["fallback"], actions

@@ -90,3 +90,28 @@ def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
     """)
     assert result.stdout.split() == ["False"]
     assert "WARNING" not in result.stderr and "unexpected parameters" not in result.stderr
+
+
+def test_flaggems_with_other_internals_is_left_unguarded_with_one_line(install_guard, tmp_path, monkeypatch, caplog):
+    """A FlagGems whose LibTuner lacks what smemguard reads: one warning, no layer described, no error."""
+    if importlib.util.find_spec("flag_gems") is not None:
+        pytest.skip("FlagGems is installed here; the stand-in would shadow it")
+    from smemguard import layers
+    from smemguard.patches import flaggems
+
+    package = tmp_path / "flag_gems" / "utils"
+    package.mkdir(parents=True)
+    (tmp_path / "flag_gems" / "__init__.py").write_text("__version__ = '9.0.0'\n")
+    (package / "__init__.py").write_text("")
+    (package / "libentry.py").write_text("class LibTuner:\n    def run(self): pass\n\n"
+                                         "class LibEntry:\n    def run(self): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    install_guard()
+    try:
+        importlib.import_module("flag_gems.utils.libentry")
+        assert not flaggems.is_patched() and [t.name for t in layers._tuners] == ["triton.Autotuner"]
+        (line,) = [r.getMessage() for r in caplog.records if "FlagGems" in r.getMessage()]
+        assert "9.0.0" in line and "LibTuner.get_key" in line and "unguarded" in line
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "flag_gems"]:
+            del sys.modules[name]

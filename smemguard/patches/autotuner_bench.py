@@ -8,6 +8,10 @@ infinitely slow to the autotuner (it also tells the compile-time patch that it i
 benchmarking, where remembered decisions must not apply). It runs only while tuning, never
 on a launch.
 
+Timings are filed under the key the tuner itself uses (:func:`smemguard.layers.key_for`:
+Triton's, or a registered library tuner's such as FlagGems' ``LibTuner``, which inherits
+``_bench``).
+
 Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
 ``_bench(self, *args, config, **meta)`` returns a list of quantiles (median first) or
 ``[inf, inf, inf]``, and the tuning key is computed the same way in every one of them.
@@ -20,6 +24,7 @@ import math
 import threading
 import weakref
 
+from .. import layers
 from . import find_wrapper, unwrap, wrap
 
 log = logging.getLogger(__name__)
@@ -38,16 +43,6 @@ def benchmarking() -> bool:
     return getattr(_inside, "depth", 0) > 0
 
 
-def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
-    """The key ``Autotuner.run`` files a tuned config under: the ``key=`` argument values, then
-    the dtype of every argument that has one."""
-    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
-    named = {name: value for name, value in named.items() if name in autotuner.arg_names}
-    key = [named[name] for name in autotuner.keys if name in named]
-    key.extend(str(value.dtype) for value in named.values() if hasattr(value, "dtype"))
-    return tuple(key)
-
-
 def _record(wrapped, instance, args, kwargs):
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
@@ -57,7 +52,7 @@ def _record(wrapped, instance, args, kwargs):
     try:
         median = result[0] if isinstance(result, (list, tuple)) else result
         meta = {name: value for name, value in kwargs.items() if name != "config"}
-        key = tuning_key(instance, args, meta)
+        key = layers.key_for(instance, args, meta)
         with _lock:
             _timings.setdefault(instance, {}).setdefault(key, {})[kwargs["config"]] = float(median)
     except Exception:  # bookkeeping only: never disturb tuning

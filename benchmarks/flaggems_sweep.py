@@ -1,0 +1,178 @@
+"""FlagGems' Hopper matmul over random shapes under an emulated L20 limit, with and without smemguard.
+
+Needs a Hopper GPU and FlagGems (5.0.2). Usage:
+
+    python benchmarks/flaggems_sweep.py --json out.json [--shapes 48] [--seed 0]
+
+Every phase is a fresh process over the same shapes (M from 1 to 8192, log-uniform; N and K
+from 1024 to 4096; fp16 and bf16; a third with B column-major; a few A views misaligned by
+one element). ``mm_kernel_general_host_tma`` gets 24 configs of its unfiltered list of 216
+(tuning all 216 for every shape takes longer than a device session): BLOCK_M 64/128/256,
+BLOCK_N 64/128, BLOCK_K 64/128, 3 or 4 stages, 8 warps, of which 15 overflow an L20.
+
+1. ``tune``: no smemguard, the GPU's own limit. FlagGems tunes each shape and files its choice
+   in its SQLite database, as a bigger GPU's tuning run would;
+2. ``observe``: that database, ``SMEMGUARD_MAX_SHARED=L20``, ``SMEMGUARD=observe`` (the
+   limit is enforced, nothing is recovered): what an L20 would do with it;
+3. ``on``: the same with ``SMEMGUARD=on``;
+4. ``fresh-observe`` and ``fresh-on``: an empty database, so FlagGems tunes under the L20 limit.
+
+Each shape's result is compared with ``torch.mm`` in float32 (cuBLAS). Counted apart: an
+``OutOfResources`` reaching the caller, FlagGems' own errors by type (its 16-byte alignment
+assertion for TMA descriptors, compile errors), and results off the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+PHASES = {  # name: (environment, database)
+    "tune": ({"SMEMGUARD": "off"}, "tuned"),
+    "observe": ({"SMEMGUARD": "observe", "SMEMGUARD_MAX_SHARED": "L20"}, "tuned-copy-1"),
+    "on": ({"SMEMGUARD": "on", "SMEMGUARD_MAX_SHARED": "L20"}, "tuned-copy-2"),
+    "fresh-observe": ({"SMEMGUARD": "observe", "SMEMGUARD_MAX_SHARED": "L20"}, "fresh-1"),
+    "fresh-on": ({"SMEMGUARD": "on", "SMEMGUARD_MAX_SHARED": "L20"}, "fresh-2"),
+}
+TOLERANCE = 2e-2  # max |c - ref| / max |ref|, for fp16/bf16 outputs of a float32-accumulated product
+
+
+def shapes(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    chosen = []
+    for index in range(count):
+        chosen.append({"M": max(1, min(8192, round(math.exp(rng.uniform(0, math.log(8192)))))),
+                       "N": rng.choice((1024, 2048, 3072, 4096)), "K": rng.choice((1024, 2048, 3072, 4096)),
+                       "dtype": rng.choice(("float16", "bfloat16")), "b_column_major": index % 3 == 2,
+                       "a_misaligned": index % 16 == 15})
+    return chosen
+
+
+def _config_subset(hopper):
+    limit = hopper._get_shared_memory_limit_bytes
+    hopper._get_shared_memory_limit_bytes = lambda: None  # FlagGems' own list, before its filter
+    try:
+        unfiltered = hopper.matmul_get_configs()
+    finally:
+        hopper._get_shared_memory_limit_bytes = limit
+    return [c for c in unfiltered if c.kwargs["BLOCK_M"] >= 64 and c.kwargs["BLOCK_N"] >= 64
+            and c.kwargs["BLOCK_K"] >= 64 and c.num_stages >= 3 and c.num_warps == 8]
+
+
+def worker(shape_list: list[dict]) -> dict:
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    import smemguard
+
+    smemguard.install()
+    hopper = importlib.import_module("flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+    hopper.mm_kernel_general_host_tma.fn.configs = _config_subset(hopper)
+    counts = collections.Counter()
+    errors = collections.Counter()
+    worst = 0.0
+    started = time.perf_counter()
+    for shape in shape_list:
+        dtype = getattr(torch, shape["dtype"])
+        M, N, K = shape["M"], shape["N"], shape["K"]
+        torch.manual_seed(M * 7 + N + K)
+        a = torch.randn(M * K + 1, device="cuda", dtype=dtype)
+        a = (a[1:] if shape["a_misaligned"] else a[:-1]).view(M, K)
+        b = torch.randn(N, K, device="cuda", dtype=dtype).t() if shape["b_column_major"] else \
+            torch.randn(K, N, device="cuda", dtype=dtype)
+        reference = a.float() @ b.float()
+        counts["shapes"] += 1
+        try:
+            c = hopper.mm(a, b)
+            torch.cuda.synchronize()
+        except OutOfResources:
+            counts["out_of_resources"] += 1
+            continue
+        except Exception as error:  # FlagGems' own: counted by type, never mistaken for ours
+            errors[f"{type(error).__name__}: {str(error).strip().splitlines()[0][:80]}"] += 1
+            continue
+        error = ((c.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+        worst = max(worst, error)
+        counts["ok" if error <= TOLERANCE else "wrong"] += 1
+    counts["seconds"] = round(time.perf_counter() - started, 1)
+    return {"counts": dict(counts), "flaggems_errors": dict(errors), "worst_relative_error": worst}
+
+
+def _incidents(path: str) -> dict:
+    actions = collections.Counter()
+    if os.path.exists(path):
+        for line in open(path):
+            actions[json.loads(line)["action"]] += 1
+    return dict(actions)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--shapes", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shape_list = shapes(args.shapes, args.seed)
+    if args.worker:
+        print(json.dumps(worker(shape_list)))
+        return 0
+
+    import torch
+    import triton
+
+    work = tempfile.mkdtemp(prefix="flaggems-sweep-")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "shapes": shape_list,
+               "phases": {}}
+    import flag_gems  # noqa: F401  (only its version here)
+
+    results["flag_gems"] = flag_gems.__version__
+    for phase, (env, database) in PHASES.items():
+        db_path = os.path.join(work, f"{database}.db")
+        if database.startswith("tuned-copy"):
+            shutil.copy(os.path.join(work, "tuned.db"), db_path)
+        log = os.path.join(work, f"{phase}.jsonl")
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
+        full_env.update(env, SMEMGUARD_LOG=log, FLAGGEMS_DB_URL=f"sqlite:///{db_path}",
+                        TRITON_CACHE_DIR=os.path.join(work, "triton-cache"))
+        run = subprocess.run([sys.executable, __file__, "--worker", phase, "--shapes", str(args.shapes),
+                              "--seed", str(args.seed)], env=full_env, capture_output=True, text=True)
+        if run.returncode != 0:
+            print(run.stderr[-3000:], file=sys.stderr)
+            results["phases"][phase] = {"failed": run.returncode}
+            continue
+        outcome = json.loads(run.stdout.strip().splitlines()[-1])
+        outcome["incidents"] = _incidents(log)
+        results["phases"][phase] = outcome
+        print(phase, json.dumps(outcome), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    print(f"\n{results['device']}, torch {results['torch']}, Triton {results['triton']}, "
+          f"FlagGems {results['flag_gems']}, {len(shape_list)} shapes")
+    print(f"{'phase':<14} {'ok':>4} {'wrong':>5} {'OOR':>4} {'FlagGems errors':>15} {'incidents':<40} {'s':>6}")
+    for phase, outcome in results["phases"].items():
+        if "counts" not in outcome:
+            print(f"{phase:<14} failed ({outcome})")
+            continue
+        c = outcome["counts"]
+        print(f"{phase:<14} {c.get('ok', 0):>4} {c.get('wrong', 0):>5} {c.get('out_of_resources', 0):>4} "
+              f"{sum(outcome['flaggems_errors'].values()):>15} {json.dumps(outcome['incidents']):<40} "
+              f"{c['seconds']:>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

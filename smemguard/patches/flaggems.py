@@ -1,0 +1,153 @@
+"""FlagGems: recovery through its own ``LibEntry`` and ``LibTuner``, and a cuBLAS fallback for its matmul.
+
+Why: FlagGems launches its Triton kernels through two layers of its own. ``LibTuner`` (an
+``Autotuner`` subclass with its own ``run``) files the tuned config in a SQLite database
+under its own key (``align32`` of M, N, K and the strides for the Hopper matmul), and
+``LibEntry`` caches the compiled kernel ``LibTuner`` hands back, per argument signature, and
+launches it directly next time. Its Hopper matmul (``mm_kernel_general_host_tma``, 216
+configs, a ``pre_hook`` that sets the TMA descriptors' block shapes) dies with
+``OutOfResources`` when a config chosen elsewhere (another GPU, another limit, a database
+shared between machines) is launched here.
+
+What it does, when ``flag_gems.utils.libentry`` is imported:
+
+* describes ``LibTuner`` and ``LibEntry`` to :mod:`smemguard.layers`, so the engine retries
+  their launches: fewer stages of the tuned config (the replacement sits in Triton's JIT
+  cache, where ``LibTuner`` finds it), else another config of ``LibTuner``'s own list, whose
+  ``pre_hook`` sets the block shapes, written into ``LibTuner``'s database under its own key.
+  ``LibTuner`` stores a config's parameters without its ``pre_hook`` and finds the hook again
+  by looking the parameters up in its list, so only configs of that list are adopted. The
+  next call misses ``LibEntry``'s cache once, gets the kernel that fits from ``LibTuner`` and
+  caches it;
+* when a FlagGems matmul module is imported, registers :func:`smemguard.fallbacks.cublas_mm`
+  as the fallback of ``mm_kernel_general_host_tma`` and ``mm_kernel_general``: it reaches
+  cuBLAS through ``aten::mm.dtype_out``, an overload FlagGems does not override, so it never
+  re-enters FlagGems' own ``aten::mm``.
+
+FlagGems' own errors (its 16-byte alignment assertion for TMA descriptors, a compile error
+of its TMA kernel) are not ``OutOfResources`` and pass through untouched.
+
+Checked against FlagGems 5.0.2 (``flag_gems/utils/libentry.py``, ``flag_gems/ops/mm.py``,
+``flag_gems/runtime/backend/_nvidia/hopper/ops/mm.py``). Another version is patched only if
+its layers still have the attributes read here; otherwise one line says so and FlagGems
+runs unguarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .. import layers, registry
+
+LIBENTRY_MODULE = "flag_gems.utils.libentry"
+MATMUL_MODULES = ("flag_gems.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
+CHECKED = "5.0.2"
+
+log = logging.getLogger("smemguard")
+
+_kinds: list = []  # the layer kinds registered with smemguard.layers
+_kernels: list = []  # the FlagGems kernel objects given a fallback
+
+
+def _named(layer, args: tuple, kwargs: dict) -> dict:
+    named = {**dict(zip(layer.arg_names, args)), **kwargs}
+    return {name: value for name, value in named.items() if name in layer.arg_names}
+
+
+def _libtuner_key(tuner, args: tuple, kwargs: dict) -> tuple:
+    return tuple(tuner.get_key(_named(tuner, args, kwargs)))
+
+
+def _own_config(tuner, config):
+    """``tuner``'s own config with ``config``'s parameters: the one that carries the ``pre_hook``."""
+    wanted = config.all_kwargs()
+    return next((own for own in tuner.configs if own.all_kwargs() == wanted), config)
+
+
+def _libtuner_config_in_force(tuner, key):
+    if len(tuner.configs) > 1:
+        stored = tuner.cache.get(key)
+        if stored is not None:
+            return _own_config(tuner, stored)
+    return getattr(tuner, "best_config", None) or tuner.configs[0]
+
+
+def _libtuner_adopt(tuner, key, config) -> None:
+    tuner.cache[key] = config
+
+
+def _kinds_for(module) -> list:
+    libtuner, libentry = module.LibTuner, module.LibEntry
+    missing = [f"{cls.__name__}.{name}" for cls, names in ((libtuner, ("run", "get_key", "_bench")),
+                                                           (libentry, ("run",)))
+               for name in names if not hasattr(cls, name)]
+    if missing:
+        raise AttributeError(f"missing {', '.join(missing)}")
+    return [
+        layers.Tuner("flag_gems.LibTuner", lambda layer: layers.runs_as(layer, libtuner), _libtuner_key,
+                     _libtuner_config_in_force, _libtuner_adopt, takes_variants=False),
+        layers.Entry("flag_gems.LibEntry", lambda layer: layers.runs_as(layer, libentry)),
+    ]
+
+
+def _host_tma_mm_fallback(a_desc, b_desc, c_desc, **_) -> None:
+    from ..fallbacks import cublas_mm
+
+    # A descriptor's base is the operand itself, in either layout (FlagGems passes A_ROW_MAJOR apart).
+    cublas_mm(a_desc.base, b_desc.base, c_desc.base)
+
+
+def _mm_fallback(A, B, C, **_) -> None:
+    from ..fallbacks import cublas_mm
+
+    cublas_mm(A, B, C)
+
+
+#: kernel name -> (the tensor parameters it must have, its fallback)
+MATMUL_KERNELS = {"mm_kernel_general_host_tma": ({"a_desc", "b_desc", "c_desc"}, _host_tma_mm_fallback),
+                  "mm_kernel_general": ({"A", "B", "C"}, _mm_fallback)}
+
+
+def _register_fallbacks() -> None:
+    for module_name in MATMUL_MODULES:
+        module = sys.modules.get(module_name)
+        for kernel_name, (params, fallback) in MATMUL_KERNELS.items():
+            kernel = getattr(module, kernel_name, None)
+            if kernel is None or any(kernel is known for known in _kernels):
+                continue
+            if not params <= set(getattr(kernel, "arg_names", ())):
+                log.warning("smemguard: %s.%s has unexpected parameters; no fallback registered for it "
+                            "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
+                continue
+            registry.register_fallback(kernel, fallback)
+            _kernels.append(kernel)
+
+
+def patch(settings=None) -> None:
+    """Describe FlagGems' layers and register the matmul fallbacks (called again on each import)."""
+    libentry = sys.modules.get(LIBENTRY_MODULE)
+    if libentry is not None and not _kinds:
+        try:
+            kinds = _kinds_for(libentry)
+        except AttributeError as error:
+            version = getattr(sys.modules.get("flag_gems"), "__version__", "?")
+            log.warning("smemguard: FlagGems %s's LibEntry/LibTuner differ from %s (%s); FlagGems kernels run "
+                        "unguarded. Fix: upgrade smemguard.", version, CHECKED, error)
+            return
+        for kind in kinds:
+            layers.register(kind)
+        _kinds.extend(kinds)
+    _register_fallbacks()
+
+
+def unpatch() -> None:
+    while _kinds:
+        layers.unregister(_kinds.pop())
+    while _kernels:
+        registry.unregister_fallback(_kernels.pop())
+
+
+def is_patched() -> bool:
+    return bool(_kinds) or bool(_kernels)
