@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import json
 import math
 import os
@@ -77,7 +76,10 @@ def worker(shape_list: list[dict]) -> dict:
     import smemguard
 
     smemguard.install()
-    hopper = importlib.import_module("flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+    import flag_gems
+
+    hopper = sys.modules[flag_gems.mm.__module__]  # "hopper.ops.mm": the arch module FlagGems picked
+    assert hasattr(hopper, "mm_kernel_general_host_tma"), f"not FlagGems' Hopper matmul: {hopper.__name__}"
     hopper.mm_kernel_general_host_tma.fn.configs = _config_subset(hopper)
     counts = collections.Counter()
     errors = collections.Counter()
@@ -110,11 +112,14 @@ def worker(shape_list: list[dict]) -> dict:
 
 
 def _incidents(path: str) -> dict:
-    actions = collections.Counter()
+    """{action: count} of the incident records, and {kernel: count} under "kernels"."""
+    actions, kernels = collections.Counter(), collections.Counter()
     if os.path.exists(path):
         for line in open(path):
-            actions[json.loads(line)["action"]] += 1
-    return dict(actions)
+            record = json.loads(line)
+            actions[record["action"]] += 1
+            kernels[record["kernel"]] += 1
+    return {**actions, "kernels": dict(kernels)} if kernels else {}
 
 
 def main() -> int:
@@ -169,7 +174,8 @@ def main() -> int:
             continue
         c = outcome["counts"]
         print(f"{phase:<14} {c.get('ok', 0):>4} {c.get('wrong', 0):>5} {c.get('out_of_resources', 0):>4} "
-              f"{sum(outcome['flaggems_errors'].values()):>15} {json.dumps(outcome['incidents']):<40} "
+              f"{sum(outcome['flaggems_errors'].values()):>15} "
+              f"{json.dumps({k: v for k, v in outcome['incidents'].items() if k != 'kernels'}):<40} "
               f"{c['seconds']:>6}")
     return 0
 

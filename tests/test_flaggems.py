@@ -25,14 +25,14 @@ from conftest import run_python
 
 pytestmark = pytest.mark.flaggems
 
-HOPPER_MM = "flag_gems.runtime.backend._nvidia.hopper.ops.mm"
+HOPPER_MM = "hopper.ops.mm"  # FlagGems imports its arch package as "hopper", with its folder on sys.path
 L20_ON_HOPPER = dict(gpu=90, max_shared=101376)  # an H200 emulating an L20's limit
 FLAGGEMS_ENV = {"GEMS_VENDOR": "nvidia"}  # FlagGems finds its vendor with nvidia-smi otherwise
 
 
 @pytest.fixture(scope="module")
 def flag_gems_modules(tmp_path_factory):
-    """FlagGems' libentry module and its Hopper matmul module (which only a Hopper GPU would import)."""
+    """FlagGems' libentry module and its Hopper matmul module, loaded as FlagGems loads it on a Hopper GPU."""
     if importlib.util.find_spec("flag_gems") is None:
         pytest.skip("FlagGems is not installed (CI stage 'flaggems' installs it)")
     os.environ.update(FLAGGEMS_ENV)

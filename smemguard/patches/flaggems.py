@@ -41,7 +41,9 @@ import sys
 from .. import layers, registry
 
 LIBENTRY_MODULE = "flag_gems.utils.libentry"
-MATMUL_MODULES = ("flag_gems.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+# FlagGems imports its per-arch package with its own folder on sys.path: on a Hopper GPU the
+# matmul that serves aten::mm is module "hopper.ops.mm", not flag_gems.runtime.backend._nvidia.hopper.ops.mm.
+MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
 TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
 CHECKED = "5.0.2"
 
@@ -113,6 +115,8 @@ MATMUL_KERNELS = {"mm_kernel_general_host_tma": ({"a_desc", "b_desc", "c_desc"},
 def _register_fallbacks() -> None:
     for module_name in MATMUL_MODULES:
         module = sys.modules.get(module_name)
+        if "flag_gems" not in str(getattr(module, "__file__", "")):  # another package's "hopper"
+            continue
         for kernel_name, (params, fallback) in MATMUL_KERNELS.items():
             kernel = getattr(module, kernel_name, None)
             if kernel is None or any(kernel is known for known in _kernels):
