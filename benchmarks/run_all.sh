@@ -8,3 +8,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 benchmarks/launch_overhead.py --json "$out/launch_overhead.json"
 python3 benchmarks/recovery_cost.py --json "$out/recovery_cost.json"
 python3 benchmarks/recovered_speed.py --json "$out/recovered_speed.json"
+# FlagGems' Hopper matmul under an emulated L20 (about 2 minutes), where FlagGems is installed
+if python3 -c "import flag_gems" 2>/dev/null; then
+  python3 benchmarks/flaggems_sweep.py --json "$out/flaggems_sweep.json"
+fi
