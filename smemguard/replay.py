@@ -90,16 +90,30 @@ def _tensor(spec: dict, device: str, generator):
     return base.as_strided(spec["shape"], spec["stride"], skip + offset)
 
 
+def _descriptor(spec: dict, device: str, generator):
+    """A host TMA descriptor over a fresh base tensor, with the block shape it had at the failure."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        raise ReplayError("the record has a TMA tensor descriptor, and this Triton has no "
+                          "triton.tools.tensor_descriptor") from None
+    return TensorDescriptor(_tensor(spec["base"], device, generator), spec["shape"], spec["strides"],
+                            spec["block_shape"])
+
+
 def arguments(record: dict, device: str, seed: int = 0) -> dict:
-    """Every kernel parameter by name: fresh tensors as recorded (same seed, same values), scalars, constexprs."""
+    """Every kernel parameter by name: fresh tensors (and TMA descriptors over them) as recorded (same seed,
+    same values), scalars, constexprs."""
     import torch
 
     generator = torch.Generator(device=device).manual_seed(seed)
     named = {}
     for name, value in record["args"].items():
-        if isinstance(value, dict) and value.get("descriptor"):
-            raise ReplayError(f"argument {name!r} is a TMA tensor descriptor; replay rebuilds plain tensors only")
-        named[name] = _tensor(value, device, generator) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            rebuild = _descriptor if value.get("descriptor") else _tensor
+            named[name] = rebuild(value, device, generator)
+        else:
+            named[name] = value
     named.update(record["constexprs"])
     return named
 

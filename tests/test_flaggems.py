@@ -17,7 +17,8 @@ import types
 import pytest
 import torch
 
-from smemguard import layers, registry
+import smemguard
+from smemguard import layers, registry, replay
 from smemguard.patches import flaggems
 from smemguard.testing import fake_gpu
 
@@ -126,6 +127,12 @@ def test_a_config_tuned_on_a_bigger_gpu_runs_with_fewer_stages_and_libentry_keep
     ((cached_kernel, *_),) = kernel.kernel_cache[0].values()
     assert cached_kernel.metadata.num_stages == 3, "LibEntry cached the replacement: later calls launch it directly"
     assert kernel.fn.cache.get(key).num_stages == 4, "same tiles: LibTuner's choice stays, Triton's cache serves it"
+
+    smemguard.uninstall()  # replay installs its own guard
+    said = []
+    assert replay.replay(record, None, said.append) == 0
+    assert any("reproduced: OutOfResources shared memory, required 131104 B" in line for line in said), said
+    assert any("stages_reduced" in line and "num_stages=3" in line for line in said), said
 
 
 def test_when_no_stage_count_fits_libtuner_switches_config_and_files_it_in_its_database(
