@@ -38,7 +38,13 @@ def _known_kernel_patches():
 
 
 def _patch_known_kernel(patch_module, reason: str) -> None:
-    """Apply one known-kernel patch; never raises (it may run inside the user's import)."""
+    """Apply one known-kernel patch; never raises (it may run inside the user's import).
+
+    In observe mode only patches that merely describe kernels to the engine apply
+    (``OBSERVE_SAFE``): the engine then records and re-raises, and the record is complete.
+    """
+    if _active.observe_only and not patch_module.OBSERVE_SAFE:
+        return
     try:
         patch_module.patch(_active)
     except Exception:
@@ -59,7 +65,7 @@ def _watch_known_kernels() -> None:
     def hook_for(patch_module):
         def on_import(module) -> None:
             with _lock:
-                if _active is not None and not _active.observe_only:
+                if _active is not None:
                     _patch_known_kernel(patch_module, f"on import of {module.__name__}")
 
         return on_import
@@ -123,8 +129,7 @@ def _patch(settings: Settings) -> bool:
         return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
                      "Triton is left untouched and kernels run unguarded.", settings)
     _active = settings
-    if not settings.observe_only:
-        _watch_known_kernels()  # the hooks fire at once for modules already imported
+    _watch_known_kernels()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
              settings.describe_limit())
     return True

@@ -372,3 +372,13 @@ def test_real_vllm_wrapper_refusal_becomes_the_torch_schedule(real_vllm, inciden
     result = real_vllm.get_paged_mqa_logits_metadata(lens(65_536, 2), 64, 132)
     assert torch.equal(result, paged_mqa_logits_metadata(lens(65_536, 2), 64, 132))
     assert [r["kernel"] for r in records(incident_log)] == ["deep_gemm:get_paged_mqa_logits_metadata"]
+
+
+@pytest.mark.parametrize("mode, patched", [("observe", False), ("on", True)])
+def test_observe_mode_leaves_deepgemm_alone(standin, install_guard, mode, patched):
+    """The patch runs the torch schedule itself when DeepGEMM refuses: observe mode must not apply it."""
+    import triton  # noqa: F401  (the guard, and the known-kernel patches with it, wait for Triton's import)
+
+    install_guard(mode=mode)
+    assert patch_module.is_patched() is patched
+    assert (standin.caller.get_paged_mqa_logits_metadata is standin.original) is not patched

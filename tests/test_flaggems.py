@@ -175,6 +175,22 @@ def test_when_no_config_of_its_own_fits_the_product_comes_from_torch_not_from_fl
     assert hopper_mm.mm_kernel_general_host_tma.fn.cache.get(key).all_kwargs() == tuned.all_kwargs()
 
 
+def test_observe_mode_records_flaggems_launch_in_full_and_changes_nothing(install_guard, incident_log, triton_cache,
+                                                                         hopper_mm):
+    from triton.runtime.errors import OutOfResources
+
+    install_guard(mode="observe")
+    a, b, c = _operands(M=128)
+    tuned = hopper_mm.mm_kernel_general_host_tma.fn.configs[0]
+    key = _tuned_elsewhere(hopper_mm, a, b, tuned)
+    with fake_gpu(**L20_ON_HOPPER, cache_dir=triton_cache) as gpu, pytest.raises(OutOfResources):
+        hopper_mm.general_mm(a, b, c, 128, b.shape[1], a.shape[1])
+    assert gpu.launches == []
+    (record,) = _records(incident_log)
+    assert record["action"] == "observed" and record["autotune_key"] == list(key), "read through LibEntry/LibTuner"
+    assert hopper_mm.mm_kernel_general_host_tma.fn.cache.get(key).all_kwargs() == tuned.all_kwargs()
+
+
 def test_flaggems_own_alignment_assertion_passes_through_untouched(install_guard, incident_log, hopper_mm):
     install_guard()
     a, b, c = _operands()

@@ -65,6 +65,8 @@ from .. import incidents
 
 log = logging.getLogger("smemguard")
 
+# Runs its fallback itself when DeepGEMM refuses a batch: never in observe mode.
+OBSERVE_SAFE = False
 TARGET_MODULE = "vllm.utils.deep_gemm"
 TARGET = "get_paged_mqa_logits_metadata"
 #: Every module path vLLM has defined the wrapper in (for the maintainer's post-import hooks).

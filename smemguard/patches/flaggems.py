@@ -44,6 +44,8 @@ LIBENTRY_MODULE = "flag_gems.utils.libentry"
 # FlagGems imports its per-arch package with its own folder on sys.path: on a Hopper GPU the
 # matmul that serves aten::mm is module "hopper.ops.mm", not flag_gems.runtime.backend._nvidia.hopper.ops.mm.
 MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
+# Describes layers and registers fallbacks: in observe mode the engine records and re-raises anyway.
+OBSERVE_SAFE = True
 TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
 CHECKED = "5.0.2"
 

@@ -24,6 +24,8 @@ import sys
 
 from .. import registry
 
+# Registers a fallback only: in observe mode the engine records and re-raises anyway.
+OBSERVE_SAFE = True
 TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
 KERNEL = "matmul_kernel_persistent"
 _EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}
