@@ -145,9 +145,7 @@ def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
             key = tuner.key(layer, args, kw)
             chosen = config if config is not None else tuner.config_in_force(layer, key)
             kw = {**kw, **chosen.all_kwargs()}
-        elif layers.is_entry(layer):
-            pass
-        else:
+        elif not layers.is_entry(layer):  # an entry passes the call on unchanged
             return None
         layer = layer.fn
     return Launch(launched, grid, args, kwargs, layer, kw, autotuner, key, chosen, tuner_kwargs, tuner)
@@ -478,9 +476,9 @@ def handle(launched, grid, args, kwargs, error, settings):
     case = _case_for(launch, failing)
     with case.lock:
         if case.decision is None:
-            # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
-            described = _described_args(launch)
             try:
+                # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
+                described = _described_args(launch)
                 shared = decisions.store(settings.cache_dir)
                 decision = _recall(launch, failing, shared) if shared else None
                 if decision is None:
