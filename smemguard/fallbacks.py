@@ -155,16 +155,21 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias
     :data:`BATCH_INVARIANT_ROWS` rows (the last one zero-padded), always with the same shape,
     in float32 with the bias added in float32 before the cast to ``out``'s dtype, as the
     Triton kernel it replaces does. Slower than one GEMM: it is a fallback.
+
+    Each block goes through :func:`cublas_mm`, not ``@``: vLLM's batch-invariant mode
+    overrides ``aten::mm``, ``mm.out``, ``matmul`` and ``linear`` with the very kernel this
+    replaces, so ``@`` would run it again.
     """
     rows, width = a.shape
     block = a.new_zeros((BATCH_INVARIANT_ROWS, width), dtype=torch.float32)
     right = b.to(torch.float32)
+    product = a.new_empty((BATCH_INVARIANT_ROWS, right.shape[1]), dtype=torch.float32)
     extra = bias.to(torch.float32) if bias is not None else None
     for start in range(0, rows, BATCH_INVARIANT_ROWS):
         count = min(BATCH_INVARIANT_ROWS, rows - start)
         block.zero_()
         block[:count] = a[start:start + count]
-        product = block @ right
+        cublas_mm(block, right, product)
         if extra is not None:
             product += extra
         out[start:start + count] = product[:count].to(out.dtype)
@@ -174,10 +179,11 @@ def cublas_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b`` with PyTorch's own GEMM (cuBLAS on CUDA), even where ``aten::mm`` is overridden.
 
     FlagGems registers its Triton matmul as the CUDA kernel of ``aten::mm``, ``mm.out``,
-    ``addmm``, ``bmm`` and their relatives, so ``torch.mm`` inside a fallback for that very
-    kernel would run the kernel that just failed. ``aten::mm.dtype_out`` (the ``out_dtype=``
-    overload of ``torch.mm``) is not among them: on CUDA it goes straight to PyTorch's cuBLAS
-    path. Operands of another dtype than ``out`` are cast first, as FlagGems' kernel does.
+    ``addmm``, ``bmm`` and their relatives, and vLLM's batch-invariant mode registers its
+    persistent matmul for ``aten::mm``, ``mm.out``, ``addmm``, ``matmul`` and ``linear``, so
+    ``torch.mm`` inside a fallback for such a kernel would run the kernel that just failed.
+    ``aten::mm.dtype_out`` (the ``out_dtype=`` overload of ``torch.mm``) is overridden by
+    neither: on CUDA it goes straight to PyTorch's cuBLAS path. Operands of another dtype than ``out`` are cast first, as FlagGems' kernel does.
     Libraries register their overrides for the device's dispatch key only, so on the CPU this
     is ``torch.mm``.
     """

@@ -175,6 +175,32 @@ def test_when_no_config_of_its_own_fits_the_product_comes_from_torch_not_from_fl
     assert hopper_mm.mm_kernel_general_host_tma.fn.cache.get(key).all_kwargs() == tuned.all_kwargs()
 
 
+@pytest.mark.parametrize("max_shared, M", [(101376, 96), (4096, 80)], ids=["recovered", "fallback"])
+def test_the_pointer_matmul_for_misaligned_shapes_recovers_through_the_same_layers(
+        install_guard, incident_log, triton_cache, flag_gems_modules, monkeypatch, max_shared, M):
+    """N % 8 != 0 is not TMA-compatible: FlagGems runs ``mm_kernel_general``, keyed on exact sizes."""
+    _, hopper = flag_gems_modules
+    kernel = hopper.mm_kernel_general
+    monkeypatch.setattr(kernel.fn, "configs", _configs(kernel, (128, 256, 64, 4, 8), (128, 128, 64, 3, 8),
+                                                       (64, 64, 64, 4, 4)))
+    monkeypatch.setattr(kernel, "kernel_cache", ({},))
+    install_guard()
+    N, K = 100, 256
+    a, b, c = _operands(M, N, K)
+    key = kernel.fn.get_key({"A": a, "B": b, "C": c, "M": M, "N": N, "K": K, "stride_am": K, "stride_bk": N})
+    kernel.fn.cache[key] = kernel.fn.configs[0]  # 128x256x64, 4 stages: tuned on a bigger GPU
+    with fake_gpu(90, max_shared=max_shared, cache_dir=triton_cache) as gpu:
+        hopper_result = hopper.general_mm(a, b, c, M, N, K)
+    (record,) = _records(incident_log)
+    assert record["kernel"] == "hopper.ops.mm:mm_kernel_general" and record["launched_as"] == "LibEntry"
+    if max_shared == 4096:
+        assert record["action"] == "fallback" and gpu.launches == []
+        assert torch.equal(hopper_result, a @ b)
+    else:
+        assert record["action"] in ("stages_reduced", "config_changed") and record["autotune_key"] == list(key)
+        assert gpu.launches and all(launch.shared <= max_shared for launch in gpu.launches)
+
+
 def test_observe_mode_records_flaggems_launch_in_full_and_changes_nothing(install_guard, incident_log, triton_cache,
                                                                          hopper_mm):
     from triton.runtime.errors import OutOfResources

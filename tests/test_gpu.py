@@ -203,3 +203,32 @@ def test_flaggems_matmul_that_fits_nowhere_falls_back_to_cublas_through_its_own_
     assert torch.equal(got, expected) and torch.equal(again, expected)
     actions = [record["action"] for record in records(incident_log)]
     assert actions == ["fallback"], actions
+
+
+def test_torch_fallbacks_never_reenter_an_overridden_aten_matmul():
+    """vLLM's batch-invariant mode and FlagGems replace aten::mm and friends with the kernels these fallbacks replace."""
+    from smemguard.fallbacks import batch_invariant_mm, cublas_mm
+
+    a = torch.randn(300, 256, device="cuda")
+    b = torch.randn(256, 96, device="cuda")
+    bias = torch.randn(96, device="cuda")
+    expected, expected_half = torch.empty(300, 96, device="cuda"), torch.empty(300, 96, device="cuda",
+                                                                              dtype=torch.float16)
+    batch_invariant_mm(a, b, expected, bias)
+    cublas_mm(a.half(), b.half(), expected_half)
+    override = torch.library.Library("aten", "IMPL")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fallback re-entered an overridden aten matmul")
+
+    for op in ("mm", "mm.out", "addmm", "addmm.out", "matmul", "linear"):
+        override.impl(op, refuse, "CUDA")
+    try:
+        with pytest.raises(AssertionError, match="re-entered"):
+            a @ b  # the override is in force
+        out, out_half = torch.empty_like(expected), torch.empty_like(expected_half)
+        batch_invariant_mm(a, b, out, bias)
+        cublas_mm(a.half(), b.half(), out_half)
+    finally:
+        override._destroy()
+    assert torch.equal(out, expected) and torch.equal(out_half, expected_half)
