@@ -435,15 +435,20 @@ def _apply(decision: Decision, launch: Launch, failing, error):
                       f"{type(fallback_error).__name__}: {fallback_error}")
             raise error from fallback_error
         return None
-    _add_note(error, _explain(launch, decision, error))
+    _add_note(error, lambda: _explain(launch, decision, error))
     raise error
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: same attribute, shown by tools that know PEP 678
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
+def _add_note(error: BaseException, note: str | Callable[[], str]) -> None:
+    """Attach ``note`` (or the text it builds) to the user's error; never raises: the error must reach them as it is."""
+    try:
+        text = note() if callable(note) else note
+        if hasattr(error, "add_note"):
+            error.add_note(text)
+        else:  # Python 3.10: same attribute, shown by tools that know PEP 678
+            error.__notes__ = [*getattr(error, "__notes__", []), text]
+    except Exception:
+        log.debug("smemguard: could not add a note to %s", type(error).__name__, exc_info=True)
 
 
 def handle(launched, grid, args, kwargs, error, settings):
@@ -462,7 +467,7 @@ def handle(launched, grid, args, kwargs, error, settings):
         decision = _record(None, launched, None, error, Decision(RERAISED, (), reason=(
             f"{type(launched).__name__} is not a Triton JIT function, autotuner or heuristics: it may launch more "
             "than one kernel, so it is not retried")), started, settings)
-        _add_note(error, f"smemguard did not retry {registry.kernel_name(launched)}: {decision.reason}"
+        _add_note(error, lambda: f"smemguard did not retry {registry.kernel_name(launched)}: {decision.reason}"
                   + (f"; incident record: {decision.record}" if decision.record else ""))
         raise error
 
@@ -645,7 +650,18 @@ def _record(launch, launched, failing, error, decision: Decision, started: float
     """Write the incident record and the one-line warning; return the decision with its location.
 
     ``described``: the arguments as :func:`_described_args` saw them at the failure, if taken then.
+    Never raises: a record that cannot be built or written leaves the decision as it is.
     """
+    try:
+        return _write_record(launch, launched, failing, error, decision, started, settings, described)
+    except Exception:
+        log.warning("smemguard: could not write the incident record for %s", type(launched).__name__,
+                    exc_info=True)
+        return decision
+
+
+def _write_record(launch, launched, failing, error, decision: Decision, started: float, settings,
+                  described: dict | None) -> Decision:
     elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
     device = _current_device()
     kernel = registry.kernel_name(launch.jit if launch is not None else launched)

@@ -18,7 +18,8 @@ def kernel_name(kernel) -> str:
     fn = kernel
     while not hasattr(fn, "__code__") and hasattr(fn, "fn"):
         fn = fn.fn
-    return f"{fn.__module__}:{fn.__qualname__}"
+    # A library's own launcher object may have no function inside: name its class.
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def register_fallback(kernel, fallback: Callable[..., Any]) -> None:

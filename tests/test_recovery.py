@@ -284,6 +284,30 @@ def test_unknown_wrappers_are_not_retried(install_guard, incident_log, triton_ca
     assert "smemguard did not retry smemguard.examples:matmul_kernel" in caught.value.__notes__[0]
 
 
+class OpaqueLauncher(triton.runtime.KernelInterface):
+    """A library's launcher that keeps its kernel under another name: nothing for smemguard to name it by."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+
+def test_a_launcher_smemguard_cannot_even_name_still_gets_the_users_error(install_guard, incident_log,
+                                                                          triton_cache):
+    aligned, _ = aligned_and_misaligned()
+    b, c = operands()
+    install_guard()
+    with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
+        with pytest.raises(OutOfResources) as caught:
+            OpaqueLauncher(matmul_kernel)[(4, 4)](*matmul_args(aligned, b, c), BLOCK_M=64, BLOCK_N=64,
+                                                   BLOCK_K=64, num_stages=4)
+    [record] = records(incident_log)
+    assert record["kernel"].endswith(":OpaqueLauncher") and record["action"] == "reraised"
+    assert "smemguard did not retry" in caught.value.__notes__[0]
+
+
 def test_internal_errors_reraise_the_users_error_unchanged(install_guard, triton_cache, monkeypatch):
     aligned, _ = aligned_and_misaligned()
     b, c = operands()
