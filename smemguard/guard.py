@@ -55,12 +55,12 @@ def _patch_known_kernel(patch_module, reason: str) -> None:
 def _watch_known_kernels() -> None:
     """Patch known kernels whose modules are imported, now and whenever one is imported later."""
     global _known_hooks_registered
-    for patch_module in _known_kernel_patches():
-        if any(target in sys.modules for target in patch_module.TARGET_MODULES):
-            _patch_known_kernel(patch_module, "already imported")
-    if _known_hooks_registered:
-        return  # hooks cannot be removed; they do nothing while the guard is not installed
-    import wrapt
+    if _known_hooks_registered:  # hooks cannot be removed; they did nothing while the guard was not installed
+        for patch_module in _known_kernel_patches():
+            if any(target in sys.modules for target in patch_module.TARGET_MODULES):
+                _patch_known_kernel(patch_module, "already imported")
+        return
+    import wrapt  # a hook registered for a module already imported runs at once: that patches it now
 
     def hook_for(patch_module):
         def on_import(module) -> None:

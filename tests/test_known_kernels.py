@@ -101,14 +101,19 @@ def test_flaggems_with_other_internals_is_left_unguarded_with_one_line(install_g
 
     package = tmp_path / "flag_gems" / "utils"
     package.mkdir(parents=True)
-    (tmp_path / "flag_gems" / "__init__.py").write_text("__version__ = '9.0.0'\n")
+    # Importing the package imports two of the patch's target modules: still one line.
+    (tmp_path / "flag_gems" / "__init__.py").write_text("__version__ = '9.0.0'\nimport flag_gems.utils.libentry\n"
+                                                        "import flag_gems.ops.mm\n")
+    (tmp_path / "flag_gems" / "ops").mkdir()
+    (tmp_path / "flag_gems" / "ops" / "__init__.py").write_text("")
+    (tmp_path / "flag_gems" / "ops" / "mm.py").write_text("mm_kernel_general = None\n")
     (package / "__init__.py").write_text("")
     (package / "libentry.py").write_text("class LibTuner:\n    def run(self): pass\n\n"
                                          "class LibEntry:\n    def run(self): pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     install_guard()
     try:
-        importlib.import_module("flag_gems.utils.libentry")
+        importlib.import_module("flag_gems")
         assert not flaggems.is_patched() and [t.name for t in layers._tuners] == ["triton.Autotuner"]
         (line,) = [r.getMessage() for r in caplog.records if "FlagGems" in r.getMessage()]
         assert "9.0.0" in line and "LibTuner.get_key" in line and "unguarded" in line

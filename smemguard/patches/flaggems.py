@@ -35,10 +35,9 @@ runs unguarded.
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from .. import layers, registry
+from .. import incidents, layers, registry
 
 LIBENTRY_MODULE = "flag_gems.utils.libentry"
 # FlagGems imports its per-arch package with its own folder on sys.path: on a Hopper GPU the
@@ -48,8 +47,6 @@ MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backen
 OBSERVE_SAFE = True
 TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
 CHECKED = "5.0.2"
-
-log = logging.getLogger("smemguard")
 
 _kinds: list = []  # the layer kinds registered with smemguard.layers
 _kernels: list = []  # the FlagGems kernel objects given a fallback
@@ -124,8 +121,9 @@ def _register_fallbacks() -> None:
             if kernel is None or any(kernel is known for known in _kernels):
                 continue
             if not params <= set(getattr(kernel, "arg_names", ())):
-                log.warning("smemguard: %s.%s has unexpected parameters; no fallback registered for it "
-                            "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
+                incidents.warn_once(("flaggems", module_name, kernel_name),
+                                    "smemguard: %s.%s has unexpected parameters; no fallback registered for it "
+                                    "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
                 continue
             registry.register_fallback(kernel, fallback)
             _kernels.append(kernel)
@@ -139,8 +137,10 @@ def patch(settings=None) -> None:
             kinds = _kinds_for(libentry)
         except AttributeError as error:
             version = getattr(sys.modules.get("flag_gems"), "__version__", "?")
-            log.warning("smemguard: FlagGems %s's LibEntry/LibTuner differ from %s (%s); FlagGems kernels run "
-                        "unguarded. Fix: upgrade smemguard.", version, CHECKED, error)
+            # Every import of a FlagGems module comes back here: one line, then DEBUG.
+            incidents.warn_once(("flaggems", "layers"),
+                                "smemguard: FlagGems %s's LibEntry/LibTuner differ from %s (%s); FlagGems kernels run "
+                                "unguarded. Fix: upgrade smemguard.", version, CHECKED, error)
             return
         for kind in kinds:
             layers.register(kind)
