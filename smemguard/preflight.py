@@ -551,7 +551,7 @@ def _heuristic_values(kernel: CheckedKernel, values: dict, spec: Specialization,
             named[name] = 1.0
     named.update(values)
     computed = {}
-    for layer in reversed(kernel.heuristics):  # the innermost layer runs last, seeing the outer ones' values
+    for layer in kernel.heuristics:  # outermost first: Heuristics.run fills its values, then calls the inner layer
         for name, heuristic in layer.items():
             try:
                 computed[name] = named[name] = heuristic(dict(named))

@@ -303,6 +303,21 @@ def test_heuristics_see_the_specialization(tmp_path):
     assert block_n == {"aligned": 64, "misaligned": 64, "N=1": 16}
 
 
+def test_stacked_heuristics_run_outermost_first_as_at_a_launch(tmp_path):
+    source = tmp_path / "stacked_ops.py"
+    source.write_text(textwrap.dedent("""
+        import triton
+        from smemguard.examples import matmul_kernel
+
+        inner = triton.heuristics({"BLOCK_K": lambda args: args["BLOCK_N"] // 2})(matmul_kernel)
+        stacked = triton.heuristics({"BLOCK_N": lambda args: 64})(inner)
+    """))
+    kernels = preflight.discover([f"{source}:stacked"], overrides={"configs": [dict(BLOCK_M=64)]})
+    constants = preflight.build_request(kernels[0], kernels[0].variants[0], kernels[0].specializations[0],
+                                        89).constants
+    assert (constants["BLOCK_N"], constants["BLOCK_K"]) == (64, 32)
+
+
 def operands_256(aligned=True):
     return matmul_args(*matmul_operands(256, aligned))
 
