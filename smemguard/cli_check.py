@@ -7,10 +7,15 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from . import gpus, preflight
-from .preflight import Progress, ResultCache, TargetError, check, discover, format_summary, format_table
+from . import gpus
+
+if TYPE_CHECKING:
+    from .preflight import Progress
+
+# The preflight engine (process pools, AST tools) is imported by the functions that run ``check``
+# only: every other smemguard command builds this parser too.
 
 
 HELP = "report which Triton kernel configs overflow which GPUs' shared memory (no GPU needed)"
@@ -66,6 +71,8 @@ what the check needs to know (guessed, or given):
 
 
 def _key_values(text: str, option: str) -> dict[str, Any]:
+    from .preflight import TargetError
+
     values = {}
     for part in filter(None, (piece.strip() for piece in text.split(","))):
         name, sep, raw = part.partition("=")
@@ -91,6 +98,8 @@ def _names(text: str) -> list[str]:
 
 
 def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
+    from .preflight import TargetError
+
     chosen = []
     for name in (name for text in texts for name in _names(text)):
         gpu = gpus.lookup(name)
@@ -171,6 +180,9 @@ def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
 
 def run_check(args) -> int:
     """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
+    from . import preflight
+    from .preflight import ResultCache, TargetError, check, discover, format_summary, format_table
+
     try:
         gpu_list = parse_gpus(args.gpu)
         kernels = discover(args.targets, examples=args.examples, overrides=_overrides(args))
