@@ -80,7 +80,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from . import __version__, gpus
+from . import __version__, gpus, incidents, registry
 
 log = logging.getLogger("smemguard")
 
@@ -168,12 +168,7 @@ class Variant:
                    getattr(config, "num_ctas", 1) or 1, getattr(config, "maxnreg", None))
 
     def label(self) -> str:
-        parts = [f"{name}={value}" for name, value in self.constexprs]
-        parts += [f"num_warps={self.num_warps}", f"num_stages={self.num_stages}"]
-        if self.num_ctas != 1:
-            parts.append(f"num_ctas={self.num_ctas}")
-        if self.maxnreg is not None:
-            parts.append(f"maxnreg={self.maxnreg}")
+        parts = [f"{name}={value}" for name, value in (*self.constexprs, *self.options().items())]
         return " ".join(parts)
 
     def options(self) -> dict:
@@ -201,7 +196,7 @@ class CheckedKernel:
 
     @property
     def jit_name(self) -> str:
-        return f"{self.jit.fn.__module__}:{self.jit.fn.__qualname__}"
+        return registry.kernel_name(self.jit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,17 +284,6 @@ def _innermost(obj):
             raise TargetError(f"{type(obj).__name__} is not a Triton kernel")
         obj = obj.fn
     return obj, autotuner, heuristics
-
-
-def _locator(module: ModuleType, attribute: str, file: str | None, jit) -> tuple[str, str, str | None] | None:
-    """How a worker process finds the same JIT function, or None when it cannot (defined in __main__)."""
-    if module.__name__ == "__main__":
-        return None
-    try:
-        found = _innermost(_resolve_attribute(module, attribute))[0]
-    except (AttributeError, TargetError):
-        return None
-    return (module.__name__, attribute, file) if found is jit else None
 
 
 def _jit_from_locator(locator: tuple[str, str, str | None]):
@@ -396,8 +380,9 @@ def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKer
 
     types = _argument_types(jit, hints.get("dtype", "fp16"), hints.get("signature", {}))
     module, attribute, file = locator_from
-    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics,
-                         _locator(module, attribute, file, jit))
+    # How a worker process finds the same JIT function; it cannot import one defined in __main__.
+    locator = None if module.__name__ == "__main__" else (module.__name__, attribute, file)
+    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator)
 
 
 def _unit_args(runtime_names: list[str], unit, kernel_name: str) -> tuple[str, ...]:
@@ -937,12 +922,12 @@ class _Group:
                   if item.interval is None or any(item.interval.decides(limit) is None for limit in self.limits)]
         for limit in self.limits:
             for side in (FITS, OVERFLOWS):
-                on_side = [item for item in self.items if item.interval is not None and item.problem is None
+                on_side = [item for item in self.items if item.interval is not None
                            and item.interval.decides(limit) == side]
                 for regime in dict.fromkeys(item.interval.regime for item in on_side):
                     chosen += self._sample([item for item in on_side if item.interval.regime == regime], limit)
-                    if not self.trusted:
-                        return [item for item in self.unknown() if not item.submitted]
+                    if not self.trusted:  # _sample changes no item: the unknown ones are as above
+                        return unknown
         return list({id(item): item for item in chosen}.values())
 
     def _sample(self, on_side: list[Item], limit: int) -> list[Item]:
@@ -1037,8 +1022,7 @@ class Report:
                         "fits": self.fits_everywhere(k, v, gpu.name) if gpu.capability is not None else None,
                         "specializations": {spec.name: self.verdict(k, v, spec.name, gpu.name).to_json()
                                             for spec in kernel.specializations}}
-                constexprs = {name: value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-                              for name, value in variant.constexprs}
+                constexprs = {name: incidents.describe_arg(value) for name, value in variant.constexprs}
                 configs.append({"config": variant.label(), "constexprs": constexprs,
                                 "num_warps": variant.num_warps, "num_stages": variant.num_stages, "gpus": per_gpu})
             kernels.append({"kernel": kernel.name, "jit": kernel.jit_name,
