@@ -57,11 +57,16 @@ def runs_as(layer, cls) -> bool:
     return isinstance(layer, cls) and type(layer).run is cls.run
 
 
+def named_args(layer, args: tuple, kwargs: dict) -> dict:
+    """The arguments a layer's ``run`` received, by parameter name (options such as num_warps left out)."""
+    named = {**dict(zip(layer.arg_names, args)), **kwargs}
+    return {name: value for name, value in named.items() if name in layer.arg_names}
+
+
 def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
     """The key Triton's ``Autotuner.run`` files a tuned config under: the ``key=`` argument
     values, then the dtype of every argument that has one."""
-    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
-    named = {name: value for name, value in named.items() if name in autotuner.arg_names}
+    named = named_args(autotuner, args, kwargs)
     key = [named[name] for name in autotuner.keys if name in named]
     key.extend(str(value.dtype) for value in named.values() if hasattr(value, "dtype"))
     return tuple(key)
@@ -79,12 +84,13 @@ def _triton_config_in_force(autotuner, key):
     return getattr(autotuner, "best_config", None) or autotuner.configs[0]
 
 
-def _triton_adopt(autotuner, key, config) -> None:
-    autotuner.cache[key] = config
+def adopt_in_cache(tuner, key, config) -> None:
+    """Adopt ``config`` for ``key`` in a tuner's ``cache`` mapping (Triton's dict, FlagGems' database)."""
+    tuner.cache[key] = config
 
 
 TRITON_AUTOTUNER = Tuner("triton.Autotuner", _is_triton_autotuner, tuning_key, _triton_config_in_force,
-                         _triton_adopt)
+                         adopt_in_cache)
 
 _lock = threading.Lock()
 _tuners: list[Tuner] = [TRITON_AUTOTUNER]

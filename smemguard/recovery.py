@@ -225,13 +225,24 @@ def _candidate_configs(launch: Launch):
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
     for config in (*timed, *untimed):
         yield config, config
-    if launch.tuner is not None and not launch.tuner.takes_variants:
+    if not _takes_variants(launch):
         return
     for config in (*timed, *untimed, *failed):
         for stages in range(config.num_stages - 1, 0, -1):
-            variant = copy.copy(config)
-            variant.num_stages = stages
-            yield variant, config
+            yield _variant(config, num_stages=stages), config
+
+
+def _takes_variants(launch: Launch) -> bool:
+    """Whether a config outside the tuner's own list can be adopted (see :class:`smemguard.layers.Tuner`)."""
+    return launch.tuner is None or launch.tuner.takes_variants
+
+
+def _variant(config, **options):
+    """``config`` with other options (``num_stages=2``), leaving the original untouched."""
+    variant = copy.copy(config)
+    for option, value in options.items():
+        setattr(variant, option, value)
+    return variant
 
 
 def _allowed_configs(launch: Launch) -> list:
@@ -349,12 +360,7 @@ def _fastest(launch: Launch, fitting: list[Decision]) -> tuple[Decision, dict | 
     tuner.nargs = dict(zip(tuner.arg_names, launch.args))
     try:
         for decision in fitting:
-            if decision.config is not None:
-                config = decision.config
-            else:
-                config = copy.copy(launch.config)
-                for option, value in decision.options.items():
-                    setattr(config, option, value)
+            config = decision.config if decision.config is not None else _variant(launch.config, **decision.options)
             median = tuner._bench(*launch.args, config=config, grid=launch.grid, warmup=False,
                                   **launch.tuner_kwargs)[0]
             timings[decision.final] = median
@@ -557,11 +563,7 @@ def _config_from_entry(launch: Launch, entry: dict):
                 and getattr(config, "maxnreg", None) == entry["maxnreg"] and config.num_stages >= entry["num_stages"]):
             if config.num_stages == entry["num_stages"]:
                 return config
-            if launch.tuner is not None and not launch.tuner.takes_variants:
-                return None
-            variant = copy.copy(config)
-            variant.num_stages = entry["num_stages"]
-            return variant
+            return _variant(config, num_stages=entry["num_stages"]) if _takes_variants(launch) else None
     return None
 
 

@@ -20,7 +20,6 @@ Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import weakref
 
@@ -64,10 +63,6 @@ def timings(autotuner, key: tuple) -> dict:
     """{config: median ms} measured for ``key`` (inf for configs that failed), possibly empty."""
     with _lock:
         return dict(_timings.get(autotuner, {}).get(key, {}))
-
-
-def failed_in_tuning(autotuner, key: tuple, config) -> bool:
-    return math.isinf(timings(autotuner, key).get(config, 0.0))
 
 
 def patch() -> None:

@@ -52,13 +52,8 @@ _kinds: list = []  # the layer kinds registered with smemguard.layers
 _kernels: list = []  # the FlagGems kernel objects given a fallback
 
 
-def _named(layer, args: tuple, kwargs: dict) -> dict:
-    named = {**dict(zip(layer.arg_names, args)), **kwargs}
-    return {name: value for name, value in named.items() if name in layer.arg_names}
-
-
 def _libtuner_key(tuner, args: tuple, kwargs: dict) -> tuple:
-    return tuple(tuner.get_key(_named(tuner, args, kwargs)))
+    return tuple(tuner.get_key(layers.named_args(tuner, args, kwargs)))
 
 
 def _own_config(tuner, config):
@@ -75,10 +70,6 @@ def _libtuner_config_in_force(tuner, key):
     return getattr(tuner, "best_config", None) or tuner.configs[0]
 
 
-def _libtuner_adopt(tuner, key, config) -> None:
-    tuner.cache[key] = config
-
-
 def _kinds_for(module) -> list:
     libtuner, libentry = module.LibTuner, module.LibEntry
     missing = [f"{cls.__name__}.{name}" for cls, names in ((libtuner, ("run", "get_key", "_bench")),
@@ -88,7 +79,7 @@ def _kinds_for(module) -> list:
         raise AttributeError(f"missing {', '.join(missing)}")
     return [
         layers.Tuner("flag_gems.LibTuner", lambda layer: layers.runs_as(layer, libtuner), _libtuner_key,
-                     _libtuner_config_in_force, _libtuner_adopt, takes_variants=False),
+                     _libtuner_config_in_force, layers.adopt_in_cache, takes_variants=False),
         layers.Entry("flag_gems.LibEntry", lambda layer: layers.runs_as(layer, libentry)),
     ]
 
