@@ -275,16 +275,21 @@ def with_config(launch: Launch, config) -> Launch:
     return Launch(launch.launched, launch.grid, (), kwargs, launch.jit, kwargs, config=config)
 
 
-def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
-    """Put ``replacement`` under every key whose kernel is a compile of ``failing``.
+def _jit_keys_of(launch: Launch, failing):
+    """The JIT cache keys whose kernel is a compile of ``failing``.
 
     Matching by compile hash, not identity: threads that missed the JIT cache together each
     compiled (and stored) their own copy of the failing kernel.
     """
     kernel_cache = launch.jit.device_caches[_current_device()][0]
-    for key, kernel in list(kernel_cache.items()):
-        if kernel.hash == failing.hash:
-            kernel_cache[key] = replacement
+    return (key for key, kernel in list(kernel_cache.items()) if kernel.hash == failing.hash)
+
+
+def _replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
+    """Put ``replacement`` under every key whose kernel is a compile of ``failing``."""
+    kernel_cache = launch.jit.device_caches[_current_device()][0]
+    for key in list(_jit_keys_of(launch, failing)):
+        kernel_cache[key] = replacement
 
 
 def _decide(launch: Launch, failing, error) -> Decision:
@@ -491,11 +496,12 @@ def handle(launched, grid, args, kwargs, error, settings):
                 # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
                 described = _described_args(launch)
                 shared = decisions.store(settings.cache_dir)
-                decision = _recall(launch, failing, shared) if shared else None
+                cases = _shared_cases(launch, failing) if shared else None
+                decision = _recall(launch, cases, shared) if cases else None
                 if decision is None:
                     decision = _decide(launch, failing, error)
-                    if shared:
-                        decision = _remember(launch, failing, decision, shared)
+                    if cases:
+                        decision = _remember(launch, decision, cases, shared)
             except Exception:
                 log.warning("smemguard: internal error while recovering %s; re-raising the original error",
                             registry.kernel_name(launch.jit), exc_info=True)
@@ -532,13 +538,14 @@ def _compile_case(jit, jit_key: str, device: int) -> dict:
             "limit": max_shared_mem.effective_limit(device), "jit_key": jit_key}
 
 
-def _launch_case(launch: Launch, jit_key: str, device: int) -> dict:
-    return {**_compile_case(launch.jit, jit_key, device), "tuning_key": repr(launch.tuning_key)}
-
-
-def _jit_key(launch: Launch, failing) -> str | None:
-    kernel_cache = launch.jit.device_caches[_current_device()][0]
-    return next((key for key, kernel in kernel_cache.items() if kernel.hash == failing.hash), None)
+def _shared_cases(launch: Launch, failing) -> dict | None:
+    """{"compile": case, "launch": case} identifying this failure to other processes; None when
+    the failing kernel is not in the JIT cache (nothing to key it by)."""
+    jit_key = next(_jit_keys_of(launch, failing), None)
+    if jit_key is None:
+        return None
+    compile_case = _compile_case(launch.jit, jit_key, _current_device())
+    return {"compile": compile_case, "launch": {**compile_case, "tuning_key": repr(launch.tuning_key)}}
 
 
 def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
@@ -595,12 +602,8 @@ def _from_entry(launch: Launch, kind: str, entry: dict) -> Decision | None:
     return None
 
 
-def _recall(launch: Launch, failing, shared) -> Decision | None:
-    device, jit_key = _current_device(), _jit_key(launch, failing)
-    if jit_key is None:
-        return None
-    for kind, case in (("compile", _compile_case(launch.jit, jit_key, device)),
-                       ("launch", _launch_case(launch, jit_key, device))):
+def _recall(launch: Launch, cases: dict, shared) -> Decision | None:
+    for kind, case in cases.items():
         entry = shared.get(kind, decisions.case_id(case))
         if entry is not None:
             decision = _from_entry(launch, kind, entry)
@@ -609,18 +612,15 @@ def _recall(launch: Launch, failing, shared) -> Decision | None:
     return None
 
 
-def _remember(launch: Launch, failing, decision: Decision, shared) -> Decision:
+def _remember(launch: Launch, decision: Decision, cases: dict, shared) -> Decision:
     """Store ``decision``; if another process stored this case first, apply theirs instead."""
-    device, jit_key = _current_device(), _jit_key(launch, failing)
-    if jit_key is None:
-        return decision
     entry: dict[str, Any] = {"action": decision.action, "final": decision.final, "time": time.time(),
                              "host": incidents.host(), "pid": os.getpid(), "from_config": decision.attempts[0].config}
+    kind = "compile" if decision.options is not None else "launch"
+    case = cases[kind]
     if decision.options is not None:
-        kind, case = "compile", _compile_case(launch.jit, jit_key, device)
         entry["options"] = decision.options
     else:
-        kind, case = "launch", _launch_case(launch, jit_key, device)
         if decision.config is not None:
             entry["config"] = _config_entry(decision.config)
         if decision.fallback is not None:
