@@ -120,12 +120,25 @@ class Store:
                     "Fix: point SMEMGUARD_CACHE_DIR at a writable directory, or set it to off.",
                     self.directory, error.strerror or error)
 
+    def _changed(self) -> bool:
+        """Whether the file is not the one we last read: a stat, no lock (writers replace it atomically).
+
+        Called on every JIT compile miss: a healthy process must not create the directory or
+        queue on the host-wide lock for a file nobody wrote.
+        """
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return self._stamp is not None
+        return (stat.st_mtime_ns, stat.st_size) != self._stamp
+
     def get(self, kind: str, key: str) -> dict | None:
         with self._lock:
             if not self._broken:
                 try:
-                    with self._exclusive():
-                        self._refresh()
+                    if self._changed():
+                        with self._exclusive():
+                            self._refresh()
                 except OSError as error:
                     self._io_failed(error)
             return self._data[kind].get(key)

@@ -30,6 +30,16 @@ def test_a_change_by_another_process_is_seen(tmp_path):
     assert mine.get("launch", "case") == {"action": "reraised"}
 
 
+def test_reading_a_cache_nobody_wrote_touches_nothing(tmp_path):
+    """Every JIT compile miss asks the store: with no decisions there, no directory, no lock file."""
+    directory = tmp_path / "not-yet"
+    store = decisions.Store(directory)
+    assert store.get("compile", "case") is None and store.get("launch", "case") is None
+    assert not directory.exists()
+    decisions.Store(directory).put("compile", "case", {"options": {"num_stages": 3}})
+    assert store.get("compile", "case") == {"options": {"num_stages": 3}}, "a file written since is read"
+
+
 @pytest.mark.parametrize("content, problem", [("{not json", "Expecting property name"),
                                               ('{"schema": 99, "compile": {}, "launch": {}}', "schema 99")])
 def test_corrupt_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, caplog, content, problem):
