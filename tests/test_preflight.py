@@ -1,6 +1,5 @@
 """smemguard check (the preflight) and smemguard.preflight.fits, on CPU against real Triton compiles."""
 
-import argparse
 import csv
 import json
 import logging
@@ -12,7 +11,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from smemguard import cli_check, gpus, preflight
+from smemguard import cli, gpus, preflight
 from smemguard.examples import (attention_fwd_kernel, matmul_args, matmul_kernel, matmul_persistent_kernel,
                                 tiled_grid)
 from smemguard.testing import fake_gpu
@@ -40,13 +39,10 @@ def results(tmp_path) -> preflight.ResultCache:
 
 
 def check_cli(argv, monkeypatch, cache, triton_cache):
-    """``smemguard check ARGV`` through the argparse entry the CLI wires in; returns the exit status."""
+    """``smemguard check ARGV`` through the CLI's own entry point; returns the exit status."""
     monkeypatch.setattr(preflight, "default_cache", lambda: cache)
     monkeypatch.setenv("TRITON_CACHE_DIR", triton_cache)  # spawned compiler processes inherit it
-    parser = argparse.ArgumentParser(prog="smemguard")
-    cli_check.add_check_command(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["check", *argv])
-    return args.run(args)
+    return cli.main(["check", *argv])
 
 
 def launch_on_fake_l4(kernel, args, meta, triton_cache):
@@ -252,10 +248,8 @@ def test_usage_errors_exit_2(monkeypatch, capsys, results, triton_cache):
 
 
 def test_help_teaches_targets_exit_status_and_the_json_schema(capsys):
-    parser = argparse.ArgumentParser(prog="smemguard")
-    cli_check.add_check_command(parser.add_subparsers(dest="command"))
     with pytest.raises(SystemExit):
-        parser.parse_args(["check", "--help"])
+        cli.build_parser().parse_args(["check", "--help"])
     text = capsys.readouterr().out
     for expected in ("pkg.kernels:matmul", "kernels.py", "Exit status: 0", "1 when some kernel has none", "--examples --gpu L4,A100,H100",
                      "smemguard.check/1", "SMEMGUARD_PREFLIGHT", "--one", "estimate"):
