@@ -19,7 +19,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import triton

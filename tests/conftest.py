@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,11 @@ def _never_leave_the_guard_installed():
     if guard.active_settings() is not None:
         smemguard.uninstall()
         pytest.fail("a test left smemguard installed")
+
+
+def records(path: Path) -> list[dict]:
+    """The incident records in ``path`` (a JSON-lines log), oldest first; none when it does not exist."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def run_python(code: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:

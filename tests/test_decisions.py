@@ -13,7 +13,7 @@ import triton
 from smemguard import decisions
 from smemguard.patches import jit_compile, triton_supported
 
-from conftest import ROOT, TESTS
+from conftest import ROOT, TESTS, records
 
 
 def test_first_decision_stored_for_a_case_wins(tmp_path):
@@ -131,7 +131,7 @@ def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
         assert not (tmp_path / "second.jsonl").exists(), "no incident at all in the second process"
     else:  # Triton 3.4 compiles inline: the remembered decision applies at the first failing launch
         assert second == {"stages": 3, "shared": 32768, "compiled": [4, 3], "handled": 1}
-        [record] = [json.loads(line) for line in (tmp_path / "second.jsonl").read_text().splitlines()]
+        [record] = records(tmp_path / "second.jsonl")
         assert record["remembered"] is True
 
 
@@ -150,7 +150,7 @@ def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
     first = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "first.jsonl", "configs"))
     second = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "second.jsonl", "configs"))
     assert first["stages"] == second["stages"] == 2 and first["shared"] == second["shared"] == 16384
-    [record] = [json.loads(line) for line in (tmp_path / "second.jsonl").read_text().splitlines()]
+    [record] = records(tmp_path / "second.jsonl")
     assert record["remembered"] is True and record["action"] == "config_changed"
     assert len(record["attempts"]) == 1, "only the remembered config is compiled to confirm it fits"
     assert first["compiled"] == [3, 4, 2, 1, 3, 2], "tuning both configs, then the whole ladder"

@@ -1,6 +1,5 @@
 """The DeepGEMM paged-MQA schedule patch: a stand-in vLLM module here, the real one where vLLM is installed."""
 
-import json
 import logging
 import sys
 import types
@@ -8,7 +7,7 @@ import types
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import records, run_python
 from smemguard import incidents
 from smemguard.fallbacks import paged_mqa_logits_metadata
 from smemguard.patches import deepgemm_metadata as patch_module
@@ -89,7 +88,7 @@ def write_header(root, relative: str, text: str) -> None:
 
 
 @pytest.fixture
-def standin(tmp_path, monkeypatch, incident_log):
+def standin(tmp_path, monkeypatch):
     """A vLLM-shaped ``vllm.utils.deep_gemm`` module (and a caller that imported the function by
     name) over a fake DeepGEMM package whose headers say which scheduler it builds."""
     deep_gemm_dir = tmp_path / "deep_gemm"
@@ -114,9 +113,6 @@ def standin(tmp_path, monkeypatch, incident_log):
     yield module
     patch_module.unpatch()
 
-
-def records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def lens(batch: int, next_n: int = 1) -> torch.Tensor:
@@ -253,7 +249,7 @@ def test_unpatch_restores_the_original_everywhere(standin):
     assert standin.get_paged_mqa_logits_metadata is standin.original
 
 
-def test_patch_twice_wraps_once(standin, incident_log, tmp_path):
+def test_patch_twice_wraps_once(standin, incident_log):
     patch_module.patch()
     first = standin.get_paged_mqa_logits_metadata
     patch_module.patch(Settings(log_path=incident_log))
@@ -325,7 +321,7 @@ def test_sm100_assertion_uses_the_sm100_schedule(standin, incident_log, monkeypa
 
 
 @pytest.fixture
-def real_vllm(monkeypatch, incident_log, tmp_path):
+def real_vllm(monkeypatch):
     pytest.importorskip("vllm")
     import vllm.utils.deep_gemm as module
 

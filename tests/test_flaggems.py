@@ -9,7 +9,6 @@ database and its pre_hook, the compile, and ``OutOfResources`` from ``_init_hand
 
 import contextlib
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -22,7 +21,7 @@ from smemguard import layers, registry, replay
 from smemguard.patches import flaggems
 from smemguard.testing import fake_gpu
 
-from conftest import run_python
+from conftest import records, run_python
 
 pytestmark = pytest.mark.flaggems
 
@@ -36,18 +35,21 @@ def flag_gems_modules(tmp_path_factory):
     """FlagGems' libentry module and its Hopper matmul module, loaded as FlagGems loads it on a Hopper GPU."""
     if importlib.util.find_spec("flag_gems") is None:
         pytest.skip("FlagGems is not installed (CI stage 'flaggems' installs it)")
-    os.environ.update(FLAGGEMS_ENV)
     # FlagGems' tuning database, one per process (its table classes live on one global SQLAlchemy base):
     # each test below uses its own shapes, hence its own keys. Without a URL FlagGems names the
-    # database after the CUDA device it cannot find here.
-    os.environ["FLAGGEMS_DB_URL"] = f"sqlite:///{tmp_path_factory.mktemp('flaggems')}/tuned.db"
-    import flag_gems
+    # database after the CUDA device it cannot find here. FlagGems reads both variables at import only.
+    with pytest.MonkeyPatch.context() as environment:
+        database = f"sqlite:///{tmp_path_factory.mktemp('flaggems')}/tuned.db"
+        for name, value in {**FLAGGEMS_ENV, "FLAGGEMS_DB_URL": database}.items():
+            environment.setenv(name, value)
+        import flag_gems
 
-    path = os.path.join(os.path.dirname(flag_gems.__file__), "runtime", "backend", "_nvidia", "hopper", "ops", "mm.py")
-    spec = importlib.util.spec_from_file_location(HOPPER_MM, path)
-    hopper = importlib.util.module_from_spec(spec)
-    sys.modules[HOPPER_MM] = hopper
-    spec.loader.exec_module(hopper)
+        path = os.path.join(os.path.dirname(flag_gems.__file__), "runtime", "backend", "_nvidia", "hopper", "ops",
+                            "mm.py")
+        spec = importlib.util.spec_from_file_location(HOPPER_MM, path)
+        hopper = importlib.util.module_from_spec(spec)
+        sys.modules[HOPPER_MM] = hopper
+        spec.loader.exec_module(hopper)
     one_gpu = types.SimpleNamespace(current_device=lambda: 0, device=lambda device: contextlib.nullcontext())
     libentry = sys.modules["flag_gems.utils.libentry"]
     libentry.torch_device_fn = hopper.torch_device_fn = one_gpu
@@ -94,12 +96,9 @@ def _tuned_elsewhere(hopper, a, b, config):
     return key
 
 
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
 
 def test_flaggems_layers_are_described_and_the_matmuls_get_the_cublas_fallback(install_guard, flag_gems_modules):
-    libentry, hopper = flag_gems_modules
+    _, hopper = flag_gems_modules
     install_guard()
     kernel = hopper.mm_kernel_general_host_tma
     assert layers.is_entry(kernel) and layers.tuner_for(kernel.fn).name == "flag_gems.LibTuner"
@@ -117,7 +116,7 @@ def test_a_config_tuned_on_a_bigger_gpu_runs_with_fewer_stages_and_libentry_keep
         hopper_mm.general_mm(a, b, c, *a.shape[:1], b.shape[1], a.shape[1])
         recovered = gpu.launches[-1]
         hopper_mm.general_mm(a, b, c, *a.shape[:1], b.shape[1], a.shape[1])
-    (record,) = _records(incident_log)
+    (record,) = records(incident_log)
     assert (record["action"], record["launched_as"], record["required"]) == ("stages_reduced", "LibEntry", 131104)
     assert record["autotune_key"] == list(key), "the incident names LibTuner's own key"
     assert record["args"]["a_desc"]["block_shape"] == [128, 64], "as the tuned config's pre_hook had set them"
@@ -144,7 +143,7 @@ def test_when_no_stage_count_fits_libtuner_switches_config_and_files_it_in_its_d
     key = _tuned_elsewhere(hopper_mm, a, b, kernel.fn.configs[1])  # 256x128x128: too big at any stage count
     with fake_gpu(90, max_shared=65536, cache_dir=triton_cache) as gpu:  # an H200 emulating a 64 KiB GPU
         hopper_mm.general_mm(a, b, c, *a.shape[:1], b.shape[1], a.shape[1])
-    (record,) = _records(incident_log)
+    (record,) = records(incident_log)
     assert record["action"] == "config_changed"
     adopted = kernel.fn.cache.get(key)
     assert adopted.all_kwargs() == kernel.fn.configs[3].all_kwargs(), \
@@ -152,7 +151,7 @@ def test_when_no_stage_count_fits_libtuner_switches_config_and_files_it_in_its_d
     assert record["final"].startswith(f"BLOCK_M={adopted.kwargs['BLOCK_M']} BLOCK_N={adopted.kwargs['BLOCK_N']} ")
     assert gpu.launches[-1].shared <= 65536 and gpu.launches[-1].num_stages == adopted.num_stages
     # Another process opening FlagGems' database finds the config that fits under LibTuner's key.
-    reopened = libentry.SQLPersistantModel(os.environ["FLAGGEMS_DB_URL"])
+    reopened = libentry.SQLPersistantModel(libentry.libcache.db_url)
     assert reopened.get_config(kernel.fn.config_table_name, key).all_kwargs() == adopted.all_kwargs()
 
 
@@ -169,7 +168,7 @@ def test_when_no_config_of_its_own_fits_the_product_comes_from_torch_not_from_fl
     with fake_gpu(90, max_shared=max_shared, cache_dir=triton_cache) as gpu:
         hopper_mm.general_mm(a, b, c, M, N, K)
     assert gpu.launches == []
-    (record,) = _records(incident_log)
+    (record,) = records(incident_log)
     assert record["action"] == "fallback" and "_host_tma_mm_fallback" in record["final"]
     assert torch.equal(c, a @ b), "the fallback wrote the product into FlagGems' output"
     assert hopper_mm.mm_kernel_general_host_tma.fn.cache.get(key).all_kwargs() == tuned.all_kwargs()
@@ -191,7 +190,7 @@ def test_the_pointer_matmul_for_misaligned_shapes_recovers_through_the_same_laye
     kernel.fn.cache[key] = kernel.fn.configs[0]  # 128x256x64, 4 stages: tuned on a bigger GPU
     with fake_gpu(90, max_shared=max_shared, cache_dir=triton_cache) as gpu:
         hopper_result = hopper.general_mm(a, b, c, M, N, K)
-    (record,) = _records(incident_log)
+    (record,) = records(incident_log)
     assert record["kernel"] == "hopper.ops.mm:mm_kernel_general" and record["launched_as"] == "LibEntry"
     if max_shared == 4096:
         assert record["action"] == "fallback" and gpu.launches == []
@@ -212,7 +211,7 @@ def test_observe_mode_records_flaggems_launch_in_full_and_changes_nothing(instal
     with fake_gpu(**L20_ON_HOPPER, cache_dir=triton_cache) as gpu, pytest.raises(OutOfResources):
         hopper_mm.general_mm(a, b, c, 128, b.shape[1], a.shape[1])
     assert gpu.launches == []
-    (record,) = _records(incident_log)
+    (record,) = records(incident_log)
     assert record["action"] == "observed" and record["autotune_key"] == list(key), "read through LibEntry/LibTuner"
     assert hopper_mm.mm_kernel_general_host_tma.fn.cache.get(key).all_kwargs() == tuned.all_kwargs()
 
@@ -223,7 +222,7 @@ def test_flaggems_own_alignment_assertion_passes_through_untouched(install_guard
     misaligned = torch.empty(a.numel() + 1, dtype=a.dtype)[1:].view_as(a).copy_(a)
     with fake_gpu(**L20_ON_HOPPER), pytest.raises(AssertionError, match="16-byte aligned"):
         hopper_mm.general_mm(misaligned, b, c, *a.shape[:1], b.shape[1], a.shape[1])
-    assert _records(incident_log) == []
+    assert records(incident_log) == []
 
 
 def test_importing_flaggems_after_install_patches_it_and_uninstall_removes_it(tmp_path):

@@ -11,14 +11,13 @@ import smemguard
 from smemguard.examples import (autotuned_matmul, matmul_args, matmul_kernel, matmul_persistent_kernel,
                                 tiled_grid)
 
+from conftest import ROOT, records
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 L20 = 101376
 
-
-def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def first_config_wins(kernel_call, quantiles):
@@ -124,8 +123,6 @@ def test_second_worker_process_compiles_no_failing_variant(tmp_path):
     """Two worker processes, one cache dir, emulated L20: the second never compiles the 4-stage variant."""
     import subprocess
     import sys
-
-    from conftest import ROOT
 
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SMEMGUARD_MAX_SHARED": "L20",
            "SMEMGUARD_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}

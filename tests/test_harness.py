@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from smemguard.testing import fake_gpu

@@ -47,8 +47,8 @@ def launch(a, b, c, bias=None, stages=3):
                                               HAS_BIAS=bias is not None, num_stages=stages, num_warps=8)
 
 
-def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(install_guard, incident_log,
-                                                                            triton_cache, stand_in_vllm):
+def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(install_guard, triton_cache,
+                                                                            stand_in_vllm):
     install_guard()
     assert registry.fallback_for(vllm_style_persistent_matmul) is None
     stand_in_vllm()  # post-import hooks fire once per process: everything below shares this import

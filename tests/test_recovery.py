@@ -1,6 +1,5 @@
 """Recovery on Triton's real launch path (CPU harness: real compiles for sm_89, real OutOfResources)."""
 
-import json
 import threading
 
 import pytest
@@ -16,6 +15,8 @@ from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid, w
 
 N = 256
 
+from conftest import records
+
 
 def aligned_and_misaligned(n=N):
     """Two views of the same shape: 16-byte aligned, and shifted by one element (no cp.async)."""
@@ -26,9 +27,6 @@ def aligned_and_misaligned(n=N):
 def operands(n=N):
     return torch.empty(n, n, dtype=torch.float16), torch.empty(n, n, dtype=torch.float16)
 
-
-def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture

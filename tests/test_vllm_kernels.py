@@ -4,7 +4,6 @@ The third stage of .ci/run installs that wheel; elsewhere these tests skip.
 """
 
 import importlib
-import json
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ pytestmark = pytest.mark.vllm
 from smemguard import registry  # noqa: E402
 from smemguard.patches import deepgemm_metadata, vllm_batch_invariant  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
+
+from conftest import records
 
 
 def vllm_kernel_module():
@@ -50,7 +51,7 @@ def test_vllm_batch_invariant_kernel_stages_then_fallback(install_guard, inciden
     with fake_gpu("L20", max_shared=20000, cache_dir=triton_cache) as gpu:  # no stage count fits
         assert launch() is None and gpu.launches == []
     assert torch.allclose(c, a @ b, atol=1e-3), "the batch-invariant torch fallback computed the product"
-    actions = [json.loads(line)["action"] for line in incident_log.read_text().splitlines()]
+    actions = [record["action"] for record in records(incident_log)]
     assert actions == ["stages_reduced", "fallback"]
 
 
