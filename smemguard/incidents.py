@@ -12,17 +12,25 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("smemguard")
 
 SCHEMA = 1
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # the records' "time"; `smemguard report` parses it back
 
 _write_lock = threading.Lock()
 _unwritable: set[Path] = set()
 _warned: set[tuple] = set()
 _sequence = 0
+
+
+def new_record(kernel: str) -> dict:
+    """The fields every incident record starts with (docs/INCIDENTS.md): schema, time, pid, host, rank, kernel."""
+    return {"schema": SCHEMA, "time": time.strftime(TIME_FORMAT), "pid": os.getpid(), "host": host(),
+            "rank": rank(), "kernel": kernel}
 
 
 def _json_default(value):

@@ -668,12 +668,7 @@ def _write_record(launch, launched, failing, error, decision: Decision, started:
     device = _current_device()
     kernel = registry.kernel_name(launch.jit if launch is not None else launched)
     record: dict[str, Any] = {
-        "schema": incidents.SCHEMA,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "pid": os.getpid(),
-        "host": incidents.host(),
-        "rank": incidents.rank(),
-        "kernel": kernel,
+        **incidents.new_record(kernel),
         "launched_as": type(launched).__name__,
         "triton": triton_version(),
         "device": _device_record(device),

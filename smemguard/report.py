@@ -11,7 +11,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
+from .incidents import TIME_FORMAT
+
 
 
 @dataclass

@@ -52,7 +52,6 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 import re
 import sys
 import threading
@@ -144,7 +143,7 @@ def patch(settings=None) -> None:
     _check_signature(getattr(module, TARGET, None))
     wrap(TARGET_MODULE, TARGET, _fallback_on_refusal)
     wrapper = getattr(module, TARGET)
-    _rebind(wrapper.__wrapped__, wrapper, skip=module)
+    _rebind(wrapper.__wrapped__, wrapper)
 
 
 def unpatch() -> None:
@@ -160,7 +159,7 @@ def unpatch() -> None:
     if wrapper is None:
         return
     unwrap(TARGET_MODULE, TARGET, _fallback_on_refusal)
-    _rebind(wrapper, wrapper.__wrapped__, skip=module)
+    _rebind(wrapper, wrapper.__wrapped__)
 
 
 def is_patched() -> bool:
@@ -180,10 +179,11 @@ def _check_signature(function) -> None:
                            f"{', '.join(EXPECTED_PARAMETERS)}; smemguard leaves it unpatched")
 
 
-def _rebind(old, new, skip) -> None:
+def _rebind(old, new) -> None:
+    """Point every module that imported ``old`` by name at ``new`` (the defining module already holds ``new``)."""
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
-        if module is not skip and isinstance(namespace, dict) and namespace.get(TARGET) is old:
+        if isinstance(namespace, dict) and namespace.get(TARGET) is old:
             setattr(module, TARGET, new)
 
 
@@ -384,11 +384,7 @@ def _tensor_record(value):
 
 def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, reason: str, started: float) -> None:
     record = {
-        "schema": incidents.SCHEMA,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "pid": os.getpid(),
-        "host": incidents.host(),
-        "kernel": KERNEL,
+        **incidents.new_record(KERNEL),
         "resource": "shared memory",
         "action": "fallback",
         "final": f"fallback {FALLBACK}",
