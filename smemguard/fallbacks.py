@@ -161,14 +161,14 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias
     replaces, so ``@`` would run it again.
     """
     rows, width = a.shape
-    block = a.new_zeros((BATCH_INVARIANT_ROWS, width), dtype=torch.float32)
+    block = a.new_empty((BATCH_INVARIANT_ROWS, width), dtype=torch.float32)
     right = b.to(torch.float32)
     product = a.new_empty((BATCH_INVARIANT_ROWS, right.shape[1]), dtype=torch.float32)
     extra = bias.to(torch.float32) if bias is not None else None
     for start in range(0, rows, BATCH_INVARIANT_ROWS):
         count = min(BATCH_INVARIANT_ROWS, rows - start)
-        block.zero_()
         block[:count] = a[start:start + count]
+        block[count:].zero_()  # the padding of a last, partial block (an empty slice otherwise)
         cublas_mm(block, right, product)
         if extra is not None:
             product += extra
