@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU benchmark in one command (about 6 minutes on an H200); JSON results go to $1 (default: .).
-# The CPU-side preflight benchmark is separate: python benchmarks/preflight_speed.py
+# The GPU benchmarks in one command (about 4 minutes on an H200 with FlagGems); JSON results go to $1 (default: .).
+# Separate: the preflight's cross-check against real launches (python benchmarks/preflight_crosscheck.py, GPU)
+# and its speed on the CPU (python benchmarks/preflight_speed.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"

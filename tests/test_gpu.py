@@ -11,7 +11,7 @@ import smemguard
 from smemguard.examples import (autotuned_matmul, matmul_args, matmul_kernel, matmul_persistent_kernel,
                                 tiled_grid)
 
-from conftest import ROOT, records
+from conftest import records, run_python
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -121,17 +121,9 @@ print(json.dumps({"compiled": compiled, "stages": kernel.metadata.num_stages}))
 
 def test_second_worker_process_compiles_no_failing_variant(tmp_path):
     """Two worker processes, one cache dir, emulated L20: the second never compiles the 4-stage variant."""
-    import subprocess
-    import sys
-
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "SMEMGUARD_MAX_SHARED": "L20",
-           "SMEMGUARD_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    results = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    first, second = results
+    env = {"SMEMGUARD_MAX_SHARED": "L20", "SMEMGUARD_CACHE_DIR": str(tmp_path / "cache"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    first, second = (json.loads(run_python(WORKER, env=env).stdout.strip().splitlines()[-1]) for _ in range(2))
     assert first["stages"] == second["stages"] == 3
     assert 4 in first["compiled"], "the first worker met the overflow"
     assert second["compiled"] == [3], "the second worker compiled the remembered replacement only"
