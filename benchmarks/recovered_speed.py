@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smemguard  # noqa: E402
 from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel, tiled_grid  # noqa: E402
-from smemguard.patches import autotuner_bench  # noqa: E402
+from smemguard import runtime  # noqa: E402
 from smemguard.settings import Settings  # noqa: E402
 
 LIMITS = {"L20": 101376, "A100": 166912}
@@ -87,7 +87,7 @@ def run_shape(m, n, k, dtype, scratch: Path) -> list[dict]:
         smemguard.uninstall()
     key = next(iter(tuned.cache))
     winner = tuned.cache[key]
-    timings = autotuner_bench.timings(tuned, key)
+    timings = runtime.timings(tuned, key)
     shared = {}
     for config in CONFIGS:
         try:

@@ -6,8 +6,7 @@
 Importing this package imports neither Triton nor torch.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .guard import install, is_installed, uninstall  # noqa: E402
 from .registry import (  # noqa: E402
     register_alternatives,

@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-log = logging.getLogger("smemguard")
+from . import incidents, introspect, ladder, registry, runtime
+from .launch import jit_keys_of, try_compile, with_config
+
+log = logging.getLogger(__name__)
 
 SCHEMA = 1
 FILE_NAME = "decisions.json"
@@ -198,3 +201,111 @@ def store(directory: Path | None) -> Store | None:
         return None
     with _stores_lock:
         return _stores.setdefault(directory, Store(directory))
+
+
+# -- Encoding: a recovery decision as a stored entry, and back --------------------------------
+# A case is identified by what was compiled and where: kernel, source, Triton, GPU model,
+# enforced limit, JIT key (``compile``), and the tuning key too (``launch``).
+
+
+def _compile_case(jit, jit_key: str, device: int) -> dict:
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit),
+            "triton": runtime.triton_version(), "gpu": runtime.gpu_name(device) or f"{target.backend}:{target.arch}",
+            "arch": target.arch, "limit": runtime.effective_limit(device), "jit_key": jit_key}
+
+
+def cases_for(launch, failing) -> dict | None:
+    """{"compile": case, "launch": case} identifying this failure to other processes; None when
+    the failing kernel is not in the JIT cache (nothing to key it by)."""
+    jit_key = next(jit_keys_of(launch, failing), None)
+    if jit_key is None:
+        return None
+    compile_case = _compile_case(launch.jit, jit_key, runtime.current_device())
+    return {"compile": compile_case, "launch": {**compile_case, "tuning_key": repr(launch.tuning_key)}}
+
+
+def remembered_options(jit, jit_key: str, device: int, directory: Path | None) -> dict | None:
+    """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
+    decisions = store(directory)
+    if decisions is None:
+        return None
+    entry = decisions.get("compile", case_id(_compile_case(jit, jit_key, device)))
+    return dict(entry["options"]) if entry else None
+
+
+def _config_from_entry(launch, entry: dict):
+    """The tuner config described by ``entry`` (one of its own, or a fewer-stage variant), or None."""
+    for config in ladder.allowed_configs(launch):
+        fields = introspect.config_fields(config)
+        same_but_stages = all(entry.get(name) == value for name, value in fields.items() if name != "num_stages")
+        if same_but_stages and config.num_stages >= entry["num_stages"]:
+            if config.num_stages == entry["num_stages"]:
+                return config
+            return ladder.variant(config, num_stages=entry["num_stages"]) if ladder.takes_variants(launch) else None
+    return None
+
+
+def _from_entry(launch, kind: str, entry: dict):
+    """Apply a stored decision to this launch: one compile to confirm it fits, no other candidate."""
+    if kind == "compile":
+        kernel, attempt = try_compile(launch, "remembered", **entry["options"])
+        if attempt.fits:
+            return ladder.Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
+                                   options=dict(entry["options"]), remembered=True)
+        return None
+    action = entry["action"]
+    if action == ladder.CONFIG_CHANGED:
+        config = _config_from_entry(launch, entry["config"])
+        if config is None:
+            return None
+        candidate = with_config(launch, config)
+        candidate.run_config_pre_hook()
+        _, attempt = try_compile(candidate, str(config))
+        if attempt.fits:
+            ladder.adopt(launch, config)
+            return ladder.Decision(ladder.CONFIG_CHANGED, (attempt,), config=config, final=attempt.config,
+                                   remembered=True)
+        return None
+    fallback = registry.fallback_for(launch.jit)
+    if action == ladder.FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
+        return ladder.Decision(ladder.FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}",
+                               remembered=True)
+    if action == ladder.RERAISED and fallback is None:
+        return ladder.Decision(ladder.RERAISED, (), reason=entry["reason"], remembered=True)
+    return None
+
+
+def recall(launch, cases: dict, decisions: Store):
+    """The decision stored for one of ``cases``, applied to ``launch``; None when there is none that applies."""
+    for kind, case in cases.items():
+        entry = decisions.get(kind, case_id(case))
+        if entry is not None:
+            decision = _from_entry(launch, kind, entry)
+            if decision is not None:
+                return decision
+    return None
+
+
+def remember(launch, decision, cases: dict, decisions: Store):
+    """Store ``decision``; if another process stored this case first, apply theirs instead."""
+    entry: dict[str, Any] = {"action": decision.action, "final": decision.final, "time": time.time(),
+                             "host": incidents.host(), "pid": os.getpid(), "from_config": decision.attempts[0].config}
+    kind = "compile" if decision.options is not None else "launch"
+    case = cases[kind]
+    if decision.options is not None:
+        entry["options"] = decision.options
+    else:
+        if decision.config is not None:
+            entry["config"] = introspect.config_fields(decision.config)
+        if decision.fallback is not None:
+            entry["fallback"] = introspect.callable_name(decision.fallback)
+        entry["reason"] = decision.reason
+    entry.update(case)
+    standing = decisions.put(kind, case_id(case), entry)
+    if standing is entry:
+        return decision
+    theirs = _from_entry(launch, kind, standing)
+    return theirs if theirs is not None else decision

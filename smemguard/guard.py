@@ -1,8 +1,14 @@
 """Installing and removing the guard: idempotent, under one lock, all or nothing.
 
 If Triton is not imported yet, :func:`install` registers a post-import hook and patches
-when it is. Any failure rolls back what was patched, logs one line and leaves Triton as it
-was (``strict`` mode raises instead).
+when it is. The patch modules are listed once, in :data:`smemguard.patches.MODULES`, and all
+follow one contract (see :mod:`smemguard.patches`):
+
+* the Triton patches are applied together; any failure rolls back what was patched, logs one
+  line and leaves Triton as it was (``strict`` mode raises instead);
+* each library patch is applied when one of its modules is imported (now, or later through a
+  post-import hook); an unsupported version or a failure logs one line and leaves that
+  library untouched. It never raises into the user's import.
 """
 
 from __future__ import annotations
@@ -11,69 +17,70 @@ import logging
 import sys
 import threading
 
-from . import __version__, settings as settings_module
+from . import incidents, settings as settings_module
+from ._version import __version__
 from .settings import Settings, SettingsError
 
-log = logging.getLogger("smemguard")
+log = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 _active: Settings | None = None  # the settings the guard was installed with
 _pending: Settings | None = None  # waiting for "import triton"
 _hook_registered = False
-_known_hooks_registered = False
+_library_hooks_registered = False
 _reported_problems: set[str] = set()
 
 
-def _patch_modules():
-    from .patches import autotuner_bench, jit_compile, kernel_interface, max_shared_mem
-
-    return autotuner_bench, jit_compile, kernel_interface, max_shared_mem
+def _wanted(module, settings: Settings) -> bool:
+    return module.applies(settings) and (module.OBSERVE_SAFE or not settings.observe_only)
 
 
-def _known_kernel_patches():
-    """Patches of known kernels in other libraries, applied when (and each time) their module is imported."""
-    from .patches import deepgemm_metadata, flaggems, vllm_batch_invariant
+def _context(settings: Settings):
+    from .patches import PatchContext
 
-    return (vllm_batch_invariant, deepgemm_metadata, flaggems)
+    return PatchContext(settings, _on_out_of_resources, _remembered_options)
 
 
-def _patch_known_kernel(patch_module, reason: str) -> None:
-    """Apply one known-kernel patch; never raises (it may run inside the user's import).
-
-    In observe mode only patches that merely describe kernels to the engine apply
-    (``OBSERVE_SAFE``): the engine then records and re-raises, and the record is complete.
-    """
-    if _active.observe_only and not patch_module.OBSERVE_SAFE:
+def _patch_library(module, reason: str) -> None:
+    """Apply one library patch; never raises (it may run inside the user's import)."""
+    if not _wanted(module, _active):
+        return
+    refusal = module.SUPPORTED.refusal()
+    if refusal is not None:
+        incidents.warn_once(("unsupported", module.__name__), "smemguard: %s; %s is left untouched and runs "
+                            "unguarded. Fix: upgrade smemguard.", refusal, module.TARGET)
         return
     try:
-        patch_module.patch(_active)
+        module.patch(_context(_active))
     except Exception:
-        log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", patch_module.__name__, reason,
+        log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", module.__name__, reason,
                     exc_info=True)
 
 
-def _watch_known_kernels() -> None:
-    """Patch known kernels whose modules are imported, now and whenever one is imported later."""
-    global _known_hooks_registered
-    if _known_hooks_registered:  # hooks cannot be removed; they did nothing while the guard was not installed
-        for patch_module in _known_kernel_patches():
-            if any(target in sys.modules for target in patch_module.TARGET_MODULES):
-                _patch_known_kernel(patch_module, "already imported")
+def _watch_libraries() -> None:
+    """Patch known libraries whose modules are imported, now and whenever one is imported later."""
+    global _library_hooks_registered
+    from .patches import library_modules
+
+    if _library_hooks_registered:  # hooks cannot be removed; they did nothing while the guard was not installed
+        for module in library_modules():
+            if any(target in sys.modules for target in module.TARGET_MODULES):
+                _patch_library(module, "already imported")
         return
     import wrapt  # a hook registered for a module already imported runs at once: that patches it now
 
     def hook_for(patch_module):
-        def on_import(module) -> None:
+        def on_import(imported) -> None:
             with _lock:
                 if _active is not None:
-                    _patch_known_kernel(patch_module, f"on import of {module.__name__}")
+                    _patch_library(patch_module, f"on import of {imported.__name__}")
 
         return on_import
 
-    for patch_module in _known_kernel_patches():
-        for target in patch_module.TARGET_MODULES:
-            wrapt.register_post_import_hook(hook_for(patch_module), target)
-    _known_hooks_registered = True
+    for module in library_modules():
+        for target in module.TARGET_MODULES:
+            wrapt.register_post_import_hook(hook_for(module), target)
+    _library_hooks_registered = True
 
 
 def _fail(message: str, settings: Settings) -> bool:
@@ -101,25 +108,25 @@ def _on_out_of_resources(kernel, grid, args, kwargs, error):
 
 def _patch(settings: Settings) -> bool:
     global _active
-    from .patches import supported_range, triton_supported, triton_version
+    from . import runtime
+    from .patches import TRITON, triton_modules
 
-    version = triton_version()
-    if not triton_supported(version):
-        return _fail(f"smemguard {__version__}: Triton {version} is outside the checked range {supported_range()}; "
-                     "Triton is left untouched and kernels run unguarded. Fix: upgrade smemguard.", settings)
-    autotuner_bench, jit_compile, kernel_interface, max_shared_mem = _patch_modules()
+    version = runtime.triton_version()
+    refusal = TRITON.refusal()
+    if refusal is not None:
+        return _fail(f"smemguard {__version__}: {refusal}; Triton is left untouched and kernels run unguarded. "
+                     "Fix: upgrade smemguard.", settings)
+    context = _context(settings)
     applied = []
     try:
-        if settings.max_shared is not None:
-            max_shared_mem.patch(settings.max_shared)
-            applied.append(max_shared_mem)
-        autotuner_bench.patch()
-        applied.append(autotuner_bench)
-        if settings.cache_dir is not None and not settings.observe_only and triton_supported(version, jit_compile.SUPPORTED):
-            jit_compile.patch(_remembered_options)
-            applied.append(jit_compile)
-        kernel_interface.patch(_on_out_of_resources)
-        applied.append(kernel_interface)
+        for module in triton_modules():
+            if not _wanted(module, settings):
+                continue
+            if not module.SUPPORTED.admits(version):
+                log.debug("smemguard: %s needs Triton %s; not applied", module.TARGET, module.SUPPORTED)
+                continue
+            module.patch(context)
+            applied.append(module)
     except Exception as error:
         for module in reversed(applied):
             try:
@@ -129,7 +136,7 @@ def _patch(settings: Settings) -> bool:
         return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
                      "Triton is left untouched and kernels run unguarded.", settings)
     _active = settings
-    _watch_known_kernels()  # the hooks fire at once for modules already imported
+    _watch_libraries()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
              settings.describe_limit())
     return True
@@ -189,7 +196,7 @@ def install(settings: Settings | None = None) -> bool:
 
 
 def uninstall() -> None:
-    """Remove exactly what :func:`install` added; safe to call at any time, any number of times."""
+    """Remove what :func:`install` added; safe to call at any time, any number of times."""
     global _active, _pending
     with _lock:
         _pending = None
@@ -197,9 +204,10 @@ def uninstall() -> None:
         if "triton" not in sys.modules:
             return  # nothing was patched yet, and removing nothing must not import Triton
         from . import recovery
+        from .patches import modules
 
         recovery.forget()
-        for module in (*_known_kernel_patches(), *reversed(_patch_modules())):
+        for module in reversed(modules()):
             try:
                 module.unpatch()
             except Exception:

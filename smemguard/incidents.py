@@ -1,8 +1,10 @@
 """Incident records: one JSON line per overflow smemguard handled, and one warning per case.
 
-The schema (``"schema": 1``) is documented in ``docs/INCIDENTS.md``. Writing is best
-effort: a record that cannot be written produces one warning naming the path and the fix,
-and the launch goes on.
+The one writer of records, for Triton launches (:func:`record_launch`) and for the DeepGEMM
+patch alike (:func:`emit`); the schema (``"schema": 1``) is documented in
+``docs/INCIDENTS.md``. Writing is best effort: a record that cannot be written produces one
+warning naming the path and the fix, and the launch goes on. Also the texts a user reads: the
+warning line and the note on a re-raised error.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import json
 import logging
 import os
 import socket
+import dataclasses
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-log = logging.getLogger("smemguard")
+from . import introspect, ladder, runtime
+
+log = logging.getLogger(__name__)
 
 SCHEMA = 1
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # the records' "time"; `smemguard report` parses it back
@@ -113,3 +118,126 @@ def rank() -> int | None:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
     except Exception:
         return None
+
+
+def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> str | None:
+    """Write ``record`` and log ``message % args`` once per ``case`` (then at DEBUG), followed by
+    where the record went; returns that location."""
+    where = write(record, path)
+    warn_once(case, message + "%s", *args, f"; record {where}" if where else "")
+    log.debug("smemguard incident: %s", record)
+    return where
+
+
+# -- Triton launches ---------------------------------------------------------------------------
+
+
+def described_args(launch) -> dict:
+    """The kernel's non-constexpr arguments as the record keeps them."""
+    constexprs = launch.constexpr_names()
+    return {k: describe_arg(v) for k, v in launch.named_args().items() if k not in constexprs}
+
+
+def record_launch(launch, launched, failing, error, decision, started: float, log_path: Path | None,
+                  described: dict | None = None):
+    """Write the incident record and the one-line warning; return the decision with its location.
+
+    ``launch`` is None when the launch could not be resolved; ``described``: the arguments as
+    :func:`described_args` saw them at the failure, if taken then. Never raises: a record that
+    cannot be built or written leaves the decision as it is.
+    """
+    try:
+        return _record_launch(launch, launched, failing, error, decision, started, log_path, described)
+    except Exception:
+        log.warning("smemguard: could not write the incident record for %s", type(launched).__name__,
+                    exc_info=True)
+        return decision
+
+
+def _record_launch(launch, launched, failing, error, decision, started, log_path, described):
+    from .launch import describe
+
+    elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
+    device = runtime.current_device()
+    kernel = introspect.kernel_name(launch.jit if launch is not None else launched)
+    record: dict[str, Any] = {
+        **new_record(kernel),
+        "launched_as": type(launched).__name__,
+        "triton": runtime.triton_version(),
+        "device": runtime.device_description(device),
+        "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
+        "resource": error.name,
+        "required": error.required,
+        "limit_hit": error.limit,
+        "action": decision.action,
+        "final": decision.final,
+        "reason": decision.reason or None,
+        "attempts": [vars(a) for a in decision.attempts],
+        "remembered": decision.remembered,
+        "timings_ms": decision.timings,
+        "recovery_ms": elapsed_ms,
+    }
+    if launch is not None:
+        code = launch.jit.fn.__code__
+        named = launch.named_args()
+        constexprs = launch.constexpr_names()
+        record.update({
+            "source": f"{code.co_filename}:{code.co_firstlineno}",
+            "source_hash": introspect.source_hash(launch.jit),
+            "constexprs": {k: describe_arg(v) for k, v in named.items() if k in constexprs},
+            "num_warps": failing.metadata.num_warps,
+            "num_stages": failing.metadata.num_stages,
+            "config": describe(launch, failing),
+            "grid": evaluate_grid(launch.grid, named),
+            "args": described if described is not None else described_args(launch),
+            "specialization": specialization(launch.jit, named),
+            "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
+        })
+    where = emit(record, log_path, (kernel, device, record.get("config")),
+                 "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms",
+                 kernel, error.name, error.required, error.limit, record.get("config") or "?",
+                 action_text(decision), max(len(decision.attempts) - 1, 0), elapsed_ms)
+    return dataclasses.replace(decision, record=where)
+
+
+def action_text(decision) -> str:
+    return ("remembered: " if decision.remembered else "") + {
+        ladder.STAGES_REDUCED: f"recovered with {decision.final}",
+        ladder.WARPS_REDUCED: f"recovered with {decision.final}",
+        ladder.CONFIG_CHANGED: f"switched to config {decision.final}",
+        ladder.FALLBACK: f"ran {decision.final}",
+        ladder.OBSERVED: "observed only (SMEMGUARD=observe)",
+        ladder.RERAISED: "re-raised: " + decision.reason,
+    }[decision.action]
+
+
+def explain(launch, decision, error) -> str:
+    """The note added to a re-raised error: kernel, tensors, what was tried and why nothing fits."""
+    named = launch.named_args()
+    code = launch.jit.fn.__code__
+    tensors = ", ".join(f"{k}: {v['dtype']}{v['shape']} stride {v['stride']}" for k, v in
+                        ((k, describe_arg(v)) for k, v in named.items()) if isinstance(v, dict) and "dtype" in v)
+    lines = [
+        f"smemguard could not recover {introspect.kernel_name(launch.jit)} ({code.co_filename}:{code.co_firstlineno}):",
+        f"  {error.name}: required {error.required}, limit {error.limit}",
+        f"  tensors: {tensors or 'none'}",
+        "  tried: " + ("; ".join(a.summary() for a in decision.attempts) or "nothing"),
+        f"  {decision.reason}",
+    ]
+    if decision.remembered:
+        lines.append("  (decided earlier and kept in SMEMGUARD_CACHE_DIR; 'smemguard cache clear' forgets it)")
+    if decision.record:
+        lines.append(f"  incident record: {decision.record}")
+    return "\n".join(lines)
+
+
+def add_note(error: BaseException, note: str | Callable[[], str]) -> None:
+    """Attach ``note`` (or the text it builds) to the user's error; never raises: the error must reach them as it is."""
+    try:
+        text = note() if callable(note) else note
+        if hasattr(error, "add_note"):
+            error.add_note(text)
+        else:  # Python 3.10: same attribute, shown by tools that know PEP 678
+            error.__notes__ = [*getattr(error, "__notes__", []), text]
+    except Exception:
+        log.debug("smemguard: could not add a note to %s", type(error).__name__, exc_info=True)

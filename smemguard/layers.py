@@ -111,6 +111,12 @@ def unregister(kind: Tuner | Entry) -> None:
             kinds.remove(kind)
 
 
+def registered() -> tuple:
+    """Every tuner and entry kind the engine understands now."""
+    with _lock:
+        return (*_tuners, *_entries)
+
+
 def tuner_for(layer) -> Tuner | None:
     return next((tuner for tuner in tuple(_tuners) if tuner.matches(layer)), None)
 

@@ -1293,8 +1293,8 @@ def _keep_fitting(inner, configs, named_args: dict, kwargs: dict) -> list:
     from triton.runtime import driver
     from triton.runtime.errors import PTXASError
 
-    from .patches.max_shared_mem import effective_limit
-    from .recovery import resolve
+    from .launch import resolve
+    from .runtime import effective_limit
 
     # What Autotuner._bench turns into an infinite time: the autotuner would never pick these.
     tolerated = (PTXASError, CompileTimeAssertionFailure)

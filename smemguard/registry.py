@@ -5,21 +5,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from .introspect import kernel_name
+
 _fallbacks: dict[str, Callable[..., Any]] = {}
 _alternatives: dict[str, tuple] = {}
 _lock = threading.Lock()
-
-
-def kernel_name(kernel) -> str:
-    """``module:qualname`` of the Triton function under any autotuner/heuristics layers, or the
-    string given."""
-    if isinstance(kernel, str):
-        return kernel
-    fn = kernel
-    while not hasattr(fn, "__code__") and hasattr(fn, "fn"):
-        fn = fn.fn
-    # A library's own launcher object may have no function inside: name its class.
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def register_fallback(kernel, fallback: Callable[..., Any]) -> None:

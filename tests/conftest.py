@@ -49,6 +49,13 @@ def _never_leave_the_guard_installed():
         pytest.fail("a test left smemguard installed")
 
 
+def patch_context(settings: Settings | None = None):
+    """The context the installer hands a patch module, for tests that apply one module directly."""
+    from smemguard.patches import PatchContext
+
+    return PatchContext(settings or Settings(), guard._on_out_of_resources, guard._remembered_options)
+
+
 def records(path: Path) -> list[dict]:
     """The incident records in ``path`` (a JSON-lines log), oldest first; none when it does not exist."""
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

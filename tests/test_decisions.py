@@ -11,7 +11,7 @@ import pytest
 import triton
 
 from smemguard import decisions
-from smemguard.patches import jit_compile, triton_supported
+from smemguard.patches import jit_compile
 
 from conftest import ROOT, TESTS, records
 
@@ -126,7 +126,7 @@ def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
     first = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "first.jsonl", "stages"))
     assert first["stages"] == 3 and 4 in first["compiled"] and first["handled"] == 1
     second = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "second.jsonl", "stages"))
-    if triton_supported(triton.__version__, jit_compile.SUPPORTED):
+    if jit_compile.SUPPORTED.admits(triton.__version__):
         assert second == {"stages": 3, "shared": 32768, "compiled": [3], "handled": 0}
         assert not (tmp_path / "second.jsonl").exists(), "no incident at all in the second process"
     else:  # Triton 3.4 compiles inline: the remembered decision applies at the first failing launch

@@ -117,7 +117,7 @@ def test_a_failing_patch_is_rolled_back(monkeypatch, caplog):
 
     before = originals()
 
-    def broken(on_out_of_resources):
+    def broken(context):
         raise AttributeError("KernelInterface has changed")
 
     monkeypatch.setattr(kernel_interface, "patch", broken)

@@ -1,39 +1,78 @@
-"""One module per patched target, each with ``patch()``, ``unpatch()`` and ``is_patched()``.
+"""One module per patched target, all with one contract, listed once in :data:`MODULES`.
 
-Every module names the Triton versions it was checked against; :func:`triton_supported`
-gates them all before anything is touched, because the targets are private Triton
-internals whose shape can change in any release.
+Each module defines:
+
+``TARGET``
+    what it patches, dotted (``"triton.runtime.jit.KernelInterface.__getitem__"``);
+``TARGET_MODULES``
+    the modules whose import (re)applies it: ``("triton",)`` for Triton's, the library's
+    modules for a known kernel;
+``SUPPORTED``
+    a :class:`smemguard.versions.Supported`: the releases its target was read and tested
+    against. Outside that range the module is not applied: one log line, target untouched;
+``OBSERVE_SAFE``
+    whether it applies in ``SMEMGUARD=observe`` (it only enforces the emulated limit,
+    records, or describes kernels to the engine; nothing that changes what runs);
+``applies(settings)``
+    whether these settings want it at all (no emulated limit: no ``max_shared_mem`` patch);
+``patch(context)``, ``unpatch()``
+    idempotent; ``context`` is a :class:`PatchContext`. ``unpatch`` removes only smemguard's
+    own layer and tolerates partial state;
+``is_patched()``
+    whether the target carries smemguard's layer now, read from the target itself.
+
+The Triton patches (``SUPPORTED.package == "triton"``) are applied together at install, all or
+nothing; the others each when one of their ``TARGET_MODULES`` is imported.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
 
 import wrapt
 
-#: Triton releases whose internals the patches were read and tested against: [3.4, 3.10).
-SUPPORTED_TRITON = ((3, 4), (3, 10))
+from ..versions import Supported
+
+#: The Triton releases smemguard was read and tested against as a whole; a Triton patch may
+#: declare a narrower ``SUPPORTED`` (it is then skipped outside it, the rest still applies).
+TRITON = Supported("triton", (3, 4), (3, 10), label="Triton")
+
+#: Every patch module, in the order they are applied (and removed in reverse).
+MODULES = (
+    "max_shared_mem",
+    "autotuner_bench",
+    "jit_compile",
+    "kernel_interface",
+    "vllm_batch_invariant",
+    "deepgemm_metadata",
+    "flaggems",
+)
 
 
-def triton_version() -> str:
-    import triton
+@dataclass(frozen=True)
+class PatchContext:
+    """What a patch may use: the settings it was installed with and the engine's entry points."""
 
-    return getattr(triton, "__version__", "unknown")
-
-
-def triton_supported(version: str, supported: tuple = SUPPORTED_TRITON) -> bool:
-    """Whether ``version`` ("3.6.0") lies in ``supported``: [(major, minor), (major, minor))."""
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    low, high = supported
-    return low <= major_minor < high
+    settings: Any  # smemguard.settings.Settings
+    #: (kernel, grid, args, kwargs, error) -> what the launch returns, or raises
+    on_out_of_resources: Callable[..., Any]
+    #: (jit, jit_key, device) -> option overrides remembered for that compile ({"num_stages": 3}) or None
+    remembered_options: Callable[..., Any]
 
 
-def supported_range() -> str:
-    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TRITON
-    return f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+def modules() -> tuple[ModuleType, ...]:
+    return tuple(importlib.import_module(f"{__name__}.{name}") for name in MODULES)
+
+
+def triton_modules() -> tuple[ModuleType, ...]:
+    return tuple(module for module in modules() if module.SUPPORTED.package == "triton")
+
+
+def library_modules() -> tuple[ModuleType, ...]:
+    return tuple(module for module in modules() if module.SUPPORTED.package != "triton")
 
 
 def wrap(module_name: str, name: str, wrapper) -> None:

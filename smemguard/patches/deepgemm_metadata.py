@@ -61,15 +61,17 @@ from pathlib import Path
 
 from . import find_wrapper, unwrap, wrap
 from .. import incidents
+from ..versions import Supported
 
-log = logging.getLogger("smemguard")
+log = logging.getLogger(__name__)
 
-# Runs its fallback itself when DeepGEMM refuses a batch: never in observe mode.
-OBSERVE_SAFE = False
 TARGET_MODULE = "vllm.utils.deep_gemm"
-TARGET = "get_paged_mqa_logits_metadata"
-#: Every module path vLLM has defined the wrapper in (for the maintainer's post-import hooks).
+FUNCTION = "get_paged_mqa_logits_metadata"
+TARGET = f"{TARGET_MODULE}.{FUNCTION}"
+#: Every module path vLLM has defined the wrapper in.
 TARGET_MODULES = (TARGET_MODULE,)
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+OBSERVE_SAFE = False  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
 
 KERNEL = "deep_gemm:get_paged_mqa_logits_metadata"
 FALLBACK = "smemguard.fallbacks:paged_mqa_logits_metadata"
@@ -128,21 +130,25 @@ class _Call:
         return str(self.context_lens.device), self.slots, self.next_n, self.block_size
 
 
-def patch(settings=None) -> None:
+def applies(settings) -> bool:
+    return True
+
+
+def patch(context) -> None:
     """Wrap the function (importing its module) and rebind it in modules that imported it by name.
 
-    Incident records go to ``settings.log_path`` (None: to the log only). Patching again only
-    updates the path. Raises ``RuntimeError`` when the target's signature is not one this
-    module was checked against; nothing is touched then.
+    Incident records go to ``context.settings.log_path`` (None: to the log only). Patching
+    again only updates the path. Raises ``RuntimeError`` when the target's signature is not one
+    this module was checked against; nothing is touched then.
     """
     global _log_path
-    _log_path = settings.log_path if settings is not None else None
+    _log_path = context.settings.log_path
     if is_patched():
         return
     module = importlib.import_module(TARGET_MODULE)
-    _check_signature(getattr(module, TARGET, None))
-    wrap(TARGET_MODULE, TARGET, _fallback_on_refusal)
-    wrapper = getattr(module, TARGET)
+    _check_signature(getattr(module, FUNCTION, None))
+    wrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
+    wrapper = getattr(module, FUNCTION)
     _rebind(wrapper.__wrapped__, wrapper)
 
 
@@ -155,10 +161,10 @@ def unpatch() -> None:
     module = sys.modules.get(TARGET_MODULE)
     if module is None:
         return
-    wrapper = find_wrapper(TARGET_MODULE, TARGET, _fallback_on_refusal)
+    wrapper = find_wrapper(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
     if wrapper is None:
         return
-    unwrap(TARGET_MODULE, TARGET, _fallback_on_refusal)
+    unwrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
     _rebind(wrapper, wrapper.__wrapped__)
 
 
@@ -166,16 +172,16 @@ def is_patched() -> bool:
     """True when the defining module carries our layer; never imports vLLM."""
     if TARGET_MODULE not in sys.modules:
         return False
-    return find_wrapper(TARGET_MODULE, TARGET, _fallback_on_refusal) is not None
+    return find_wrapper(TARGET_MODULE, FUNCTION, _fallback_on_refusal) is not None
 
 
 def _check_signature(function) -> None:
     if function is None:
-        raise RuntimeError(f"{TARGET_MODULE} has no {TARGET} (a vLLM without the DeepSeek sparse-attention "
+        raise RuntimeError(f"{TARGET_MODULE} has no {FUNCTION} (a vLLM without the DeepSeek sparse-attention "
                            "indexer); smemguard leaves it unpatched")
     names = tuple(inspect.signature(function).parameters)[:len(EXPECTED_PARAMETERS)]
     if names != EXPECTED_PARAMETERS:
-        raise RuntimeError(f"{TARGET_MODULE}.{TARGET}{inspect.signature(function)} does not start with "
+        raise RuntimeError(f"{TARGET_MODULE}.{FUNCTION}{inspect.signature(function)} does not start with "
                            f"{', '.join(EXPECTED_PARAMETERS)}; smemguard leaves it unpatched")
 
 
@@ -183,8 +189,8 @@ def _rebind(old, new) -> None:
     """Point every module that imported ``old`` by name at ``new`` (the defining module already holds ``new``)."""
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(TARGET) is old:
-            setattr(module, TARGET, new)
+        if isinstance(namespace, dict) and namespace.get(FUNCTION) is old:
+            setattr(module, FUNCTION, new)
 
 
 def _fallback_on_refusal(wrapped, instance, args, kwargs):
@@ -376,12 +382,6 @@ def _static_arrays(text: str) -> int:
     return 0 if "extern __shared__" in text else len(_STATIC_ARRAY.findall(text))
 
 
-def _tensor_record(value):
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return {"shape": list(value.shape), "dtype": str(value.dtype), "device": str(value.device)}
-    return value
-
-
 def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, reason: str, started: float) -> None:
     record = {
         **incidents.new_record(KERNEL),
@@ -392,18 +392,15 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
                    "host assertion": "DeepGEMM's host assertion on the scheduler's shared memory",
                    "build": f"the scheduler did not build, and {scheduler.static_arrays} static per-request "
                             f"arrays for {call.batch} requests need {STATIC_SHARED_LIMIT} B or more"}[reason],
-        "args": {"context_lens": _tensor_record(call.context_lens), "block_size": call.block_size,
-                 "num_sms": call.num_sms, "indices": _tensor_record(call.indices)},
+        "args": {"context_lens": incidents.describe_arg(call.context_lens), "block_size": call.block_size,
+                 "num_sms": call.num_sms, "indices": incidents.describe_arg(call.indices)},
         "slots": call.slots,
         "variant": scheduler.variant,
         "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
         "error": f"{type(error).__name__}: {error}",
         "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
     }
-    where = incidents.write(record, _log_path)
-    incidents.warn_once(
-        (KERNEL, *call.key),
-        "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed in "
-        "torch from now on for batches this large%s",
-        KERNEL, call.batch, record["reason"], scheduler.variant, f"; record {where}" if where else "")
-    log.debug("smemguard incident: %s", record)
+    incidents.emit(record, _log_path, (KERNEL, *call.key),
+                   "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
+                   "in torch from now on for batches this large", KERNEL, call.batch, record["reason"],
+                   scheduler.variant)

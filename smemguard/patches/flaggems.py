@@ -28,8 +28,8 @@ FlagGems' own errors (its 16-byte alignment assertion for TMA descriptors, a com
 of its TMA kernel) are not ``OutOfResources`` and pass through untouched.
 
 Checked against FlagGems 5.0.2 (``flag_gems/utils/libentry.py``, ``flag_gems/ops/mm.py``,
-``flag_gems/runtime/backend/_nvidia/hopper/ops/mm.py``). Another version is patched only if
-its layers still have the attributes read here; otherwise one line says so and FlagGems
+``flag_gems/runtime/backend/_nvidia/hopper/ops/mm.py``). Another 5.0 release is patched only
+if its layers still have the attributes read here; otherwise one line says so and FlagGems
 runs unguarded.
 """
 
@@ -38,15 +38,22 @@ from __future__ import annotations
 import sys
 
 from .. import incidents, layers, registry
+from ..versions import Supported
 
 LIBENTRY_MODULE = "flag_gems.utils.libentry"
 # FlagGems imports its per-arch package with its own folder on sys.path: on a Hopper GPU the
 # matmul that serves aten::mm is module "hopper.ops.mm", not flag_gems.runtime.backend._nvidia.hopper.ops.mm.
 MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
-# Describes layers and registers fallbacks: in observe mode the engine records and re-raises anyway.
-OBSERVE_SAFE = True
+
+TARGET = "flag_gems.utils.libentry.LibTuner"
 TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
+SUPPORTED = Supported("flag_gems", (5, 0), (5, 1), label="FlagGems")
+OBSERVE_SAFE = True  # describes layers and registers fallbacks: in observe mode the engine records and re-raises
 CHECKED = "5.0.2"
+
+
+def applies(settings) -> bool:
+    return True
 
 _kinds: list = []  # the layer kinds registered with smemguard.layers
 _kernels: list = []  # the FlagGems kernel objects given a fallback
@@ -102,25 +109,33 @@ MATMUL_KERNELS = {"mm_kernel_general_host_tma": ({"a_desc", "b_desc", "c_desc"},
                   "mm_kernel_general": ({"A", "B", "C"}, _mm_fallback)}
 
 
-def _register_fallbacks() -> None:
+def _imported_matmuls():
+    """(module name, kernel name, kernel) for each FlagGems matmul kernel imported now."""
     for module_name in MATMUL_MODULES:
         module = sys.modules.get(module_name)
         if "flag_gems" not in str(getattr(module, "__file__", "")):  # another package's "hopper"
             continue
-        for kernel_name, (params, fallback) in MATMUL_KERNELS.items():
+        for kernel_name in MATMUL_KERNELS:
             kernel = getattr(module, kernel_name, None)
-            if kernel is None or any(kernel is known for known in _kernels):
-                continue
-            if not params <= set(getattr(kernel, "arg_names", ())):
-                incidents.warn_once(("flaggems", module_name, kernel_name),
-                                    "smemguard: %s.%s has unexpected parameters; no fallback registered for it "
-                                    "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
-                continue
-            registry.register_fallback(kernel, fallback)
-            _kernels.append(kernel)
+            if kernel is not None:
+                yield module_name, kernel_name, kernel
 
 
-def patch(settings=None) -> None:
+def _register_fallbacks() -> None:
+    for module_name, kernel_name, kernel in _imported_matmuls():
+        params, fallback = MATMUL_KERNELS[kernel_name]
+        if any(kernel is known for known in _kernels):
+            continue
+        if not params <= set(getattr(kernel, "arg_names", ())):
+            incidents.warn_once(("flaggems", module_name, kernel_name),
+                                "smemguard: %s.%s has unexpected parameters; no fallback registered for it "
+                                "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
+            continue
+        registry.register_fallback(kernel, fallback)
+        _kernels.append(kernel)
+
+
+def patch(context) -> None:
     """Describe FlagGems' layers and register the matmul fallbacks (called again on each import)."""
     libentry = sys.modules.get(LIBENTRY_MODULE)
     if libentry is not None and not _kinds:
@@ -147,4 +162,10 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
-    return bool(_kinds) or bool(_kernels)
+    """Whether FlagGems' LibTuner is understood by the engine, or one of its matmuls has our fallback now."""
+    libentry = sys.modules.get(LIBENTRY_MODULE)
+    tuner_class = getattr(libentry, "LibTuner", None)
+    described = isinstance(tuner_class, type) and any(
+        isinstance(kind, layers.Tuner) and kind.name == "flag_gems.LibTuner" for kind in layers.registered())
+    return described or any(registry.fallback_for(kernel) is MATMUL_KERNELS[name][1]
+                            for _, name, kernel in _imported_matmuls())

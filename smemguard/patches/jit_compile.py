@@ -4,11 +4,13 @@ Why: when another process (or an earlier run) learned that a compiled variant ov
 GPU and that fewer stages (or warps) fit, compiling the failing variant first is wasted
 seconds and a wasted exception. ``_do_compile`` runs only on a JIT cache miss, with the key
 the variant will be cached under and Triton's parsed options; the wrapper swaps in the
-remembered options, so the replacement is compiled and cached under the original key and
-every launch of that variant runs it. Launches never pass through here once cached.
+remembered options (``context.remembered_options``), so the replacement is compiled and
+cached under the original key and every launch of that variant runs it. Launches never pass
+through here once cached.
 
 Not applied inside the autotuner's benchmarking (``Autotuner._bench``): there an overflowing
-config must still fail, so that the autotuner never prefers it.
+config must still fail, so that the autotuner never prefers it. Not applied in observe mode
+(it changes what is compiled), nor without a decision cache (``SMEMGUARD_CACHE_DIR=off``).
 
 Checked against Triton 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
 ``_do_compile(self, key, signature, device, constexprs, options, attrs, warmup)``, with
@@ -21,15 +23,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from . import autotuner_bench, find_wrapper, unwrap, wrap
-
-MODULE = "triton.runtime.jit"
-TARGET = "JITFunction._do_compile"
-SUPPORTED = ((3, 5), (3, 10))
+from .. import runtime
+from ..versions import Supported
+from . import find_wrapper, unwrap, wrap
 
 log = logging.getLogger(__name__)
 
+TARGET = "triton.runtime.jit.JITFunction._do_compile"
+TARGET_MODULES = ("triton",)
+SUPPORTED = Supported("triton", (3, 5), (3, 10), label="Triton")
+OBSERVE_SAFE = False  # compiles remembered replacements instead of what was asked for
+
+_MODULE, _NAME = "triton.runtime.jit", "JITFunction._do_compile"
+
 _remembered_options = None  # (jit, key, device) -> {"num_stages": 3} | None
+
+
+def applies(settings) -> bool:
+    return settings.cache_dir is not None
 
 
 def _arguments(key, signature, device, constexprs, options, attrs, warmup):
@@ -37,8 +48,7 @@ def _arguments(key, signature, device, constexprs, options, attrs, warmup):
 
 
 def _compile_remembered(wrapped, instance, args, kwargs):
-    override = None
-    if _remembered_options is not None and not autotuner_bench.benchmarking():
+    if _remembered_options is not None and not runtime.benchmarking():
         try:
             key, device, options = _arguments(*args, **kwargs)
             override = _remembered_options(instance, key, device)
@@ -53,19 +63,18 @@ def _compile_remembered(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def patch(remembered_options) -> None:
-    """``remembered_options(jit, key, device)`` returns option overrides for that variant, or None."""
+def patch(context) -> None:
     global _remembered_options
-    _remembered_options = remembered_options
+    _remembered_options = context.remembered_options
     if not is_patched():
-        wrap(MODULE, TARGET, _compile_remembered)
+        wrap(_MODULE, _NAME, _compile_remembered)
 
 
 def unpatch() -> None:
     global _remembered_options
-    unwrap(MODULE, TARGET, _compile_remembered)
+    unwrap(_MODULE, _NAME, _compile_remembered)
     _remembered_options = None
 
 
 def is_patched() -> bool:
-    return find_wrapper(MODULE, TARGET, _compile_remembered) is not None
+    return find_wrapper(_MODULE, _NAME, _compile_remembered) is not None

@@ -3,9 +3,9 @@
 Why: ``kernel[grid](*args)`` is how JIT functions, autotuners and heuristics are launched;
 ``__getitem__`` returns a small closure that calls ``kernel.run(grid=grid, warmup=False, ...)``.
 Our closure is the same call inside a ``try``, whose ``except OutOfResources`` hands the
-failed launch (kernel object, grid, arguments) to :mod:`smemguard.recovery`. The error is
-raised on the host before anything is enqueued (``CompiledKernel._init_handles``), so the
-launch can be retried with the same buffers.
+failed launch (kernel object, grid, arguments) to the engine (``context.on_out_of_resources``,
+:func:`smemguard.recovery.handle`). The error is raised on the host before anything is
+enqueued (``CompiledKernel._init_handles``), so the launch can be retried with the same buffers.
 
 Why not a wrapt wrapper here, unlike the other patches: this sits on every kernel launch,
 and a ``try`` costs nothing until it catches (CPython 3.11+), while a wrapt descriptor
@@ -23,10 +23,18 @@ defined once, on ``KernelInterface``, and no subclass in Triton overrides it.
 
 from __future__ import annotations
 
-MODULE = "triton.runtime.jit"
-TARGET = "KernelInterface.__getitem__"
+from . import TRITON
+
+TARGET = "triton.runtime.jit.KernelInterface.__getitem__"
+TARGET_MODULES = ("triton",)
+SUPPORTED = TRITON
+OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
 
 _original = None
+
+
+def applies(settings) -> bool:
+    return True
 
 
 def _kernel_interface():
@@ -51,12 +59,8 @@ def _make_guarded_getitem(out_of_resources, on_out_of_resources):
     return __getitem__
 
 
-def patch(on_out_of_resources) -> None:
-    """Route every ``OutOfResources`` of a ``kernel[grid](...)`` launch to ``on_out_of_resources``.
-
-    ``on_out_of_resources(kernel, grid, args, kwargs, error)`` returns what the launch returns
-    or raises.
-    """
+def patch(context) -> None:
+    """Route every ``OutOfResources`` of a ``kernel[grid](...)`` launch to ``context.on_out_of_resources``."""
     global _original
     if is_patched():
         return
@@ -64,7 +68,7 @@ def patch(on_out_of_resources) -> None:
 
     cls = _kernel_interface()
     _original = cls.__dict__["__getitem__"]
-    cls.__getitem__ = _make_guarded_getitem(OutOfResources, on_out_of_resources)
+    cls.__getitem__ = _make_guarded_getitem(OutOfResources, context.on_out_of_resources)
 
 
 def unpatch() -> None:

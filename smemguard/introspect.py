@@ -1,0 +1,73 @@
+"""Reading Triton kernel objects: the chain of layers down to the JIT function, names, configs, errors.
+
+Used by every part that looks at a kernel (recovery, the registry, replay, the preflight), so
+that all of them agree on what "the kernel" under a stack of autotuner/heuristics/library
+layers is, and on how a config and an error are written down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+#: Deeper than any real stack of layers; stops a walk over an object whose ``fn`` leads back to itself.
+MAX_LAYERS = 32
+
+#: The launch options of a ``triton.Config``, besides its constexprs.
+CONFIG_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def chain(obj) -> Iterator[Any]:
+    """``obj`` and every layer under it, outermost first, following ``.fn``: for a Triton kernel
+    the autotuner/heuristics/library layers, the ``JITFunction`` and last its Python function."""
+    for _ in range(MAX_LAYERS):
+        yield obj
+        if not hasattr(obj, "fn"):
+            return
+        obj = obj.fn
+
+
+def jit_function(obj):
+    """The ``JITFunction`` under ``obj``'s layers (``obj`` itself if it is one), or None."""
+    from triton.runtime.jit import JITFunction
+
+    return next((layer for layer in chain(obj) if isinstance(layer, JITFunction)), None)
+
+
+def kernel_name(kernel) -> str:
+    """``module:qualname`` of the Python function under any layers, or the string given.
+
+    A library's launcher object with no function inside is named by its class.
+    """
+    if isinstance(kernel, str):
+        return kernel
+    layers = list(chain(kernel))
+    fn = next((layer for layer in layers if hasattr(layer, "__code__")), layers[-1])
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def source_hash(jit) -> str:
+    """First 16 hex digits of the SHA-256 of a JIT function's source."""
+    return hashlib.sha256(jit.src.encode()).hexdigest()[:16]
+
+
+def callable_name(fn) -> str:
+    """``module:qualname`` of a fallback or hook."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def config_fields(config) -> dict:
+    """A ``triton.Config`` as plain data: its constexprs and every launch option."""
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def error_summary(error: BaseException, width: int = 300) -> str:
+    """``"CompilationError: <reason>"``: the type and the one line that says why.
+
+    Triton's ``CompilationError`` puts the source excerpt first and the reason last; other
+    errors say it first.
+    """
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    reason = "" if not lines else lines[-1] if type(error).__name__ == "CompilationError" else lines[0]
+    return f"{type(error).__name__}: {reason[:width]}"

@@ -1,0 +1,160 @@
+"""A failed launch, as the engine sees it: the layers it went through, its arguments, and how to
+compile, check and relaunch it.
+
+:func:`resolve` follows a ``kernel[grid](...)`` launch through entry, heuristics and tuner
+layers (:mod:`smemguard.layers`) down to the JIT function, as their ``run`` methods would, and
+gives a :class:`Launch`. Everything here compiles at most; nothing launches except
+:meth:`Launch.relaunch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import introspect, layers, runtime
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One configuration compiled to see whether it fits."""
+
+    config: str
+    required: int | None
+    limit: int | None
+    fits: bool
+    error: str | None = None
+
+    def summary(self) -> str:
+        if self.error:
+            return f"{self.config}: {self.error}"
+        verdict = "fits" if self.fits else "too big"
+        return f"{self.config}: {self.required} B ({verdict})"
+
+
+@dataclass
+class Launch:
+    """A failed launch, resolved down to the JIT function it reached."""
+
+    launched: Any  # what the user indexed: JIT function, autotuner, heuristics, a library's entry
+    grid: Any
+    args: tuple
+    kwargs: dict
+    jit: Any
+    jit_kwargs: dict  # the kwargs ``jit.run`` received
+    tuner: Any = None  # the tuning layer it went through (Triton's Autotuner or a library's), if any
+    tuning_key: tuple | None = None
+    config: Any = None  # the tuner's config in force
+    tuner_kwargs: dict = field(default_factory=dict)  # the kwargs the tuning layer received
+    tuner_kind: layers.Tuner | None = None  # how to read and update ``tuner``
+
+    def named_args(self) -> dict:
+        """Every kernel parameter by name, as the kernel sees it."""
+        named = {param.name: param.default for param in self.jit.params if param.has_default}
+        named.update(zip(self.jit.arg_names, self.args))
+        named.update((name, value) for name, value in self.jit_kwargs.items() if name in self.jit.arg_names)
+        return named
+
+    def constexpr_names(self) -> set[str]:
+        return {param.name for param in self.jit.params if param.is_constexpr}
+
+    def run_config_pre_hook(self) -> None:
+        if self.config is not None and self.config.pre_hook is not None:
+            self.config.pre_hook({**self.named_args(), **self.config.all_kwargs()})
+
+    def compile(self, **options):
+        return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
+
+    def relaunch(self):
+        self.run_config_pre_hook()
+        return self.jit.run(*self.args, grid=self.grid, warmup=False, **self.jit_kwargs)
+
+
+def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
+    """Follow entry, heuristics and tuner layers down to the JIT function, as their ``run`` would.
+
+    ``config`` replaces the tuner's choice. None when a layer is not understood
+    (:mod:`smemguard.layers`).
+    """
+    from triton.runtime.autotuner import Heuristics
+    from triton.runtime.jit import JITFunction
+
+    kw = dict(kwargs)
+    tuner = key = chosen = tuner_kind = None
+    tuner_kwargs: dict = {}
+    for layer in introspect.chain(launched):
+        if isinstance(layer, JITFunction):
+            return Launch(launched, grid, args, kwargs, layer, kw, tuner, key, chosen, tuner_kwargs, tuner_kind)
+        if layers.runs_as(layer, Heuristics):
+            for name, heuristic in layer.values.items():
+                kw[name] = heuristic({**dict(zip(layer.arg_names, args)), **kw})
+        elif tuner is None and (tuner_kind := layers.tuner_for(layer)) is not None:
+            tuner, tuner_kwargs = layer, dict(kw)
+            key = tuner_kind.key(layer, args, kw)
+            chosen = config if config is not None else tuner_kind.config_in_force(layer, key)
+            kw = {**kw, **chosen.all_kwargs()}
+        elif not layers.is_entry(layer):  # an entry passes the call on unchanged
+            return None
+    return None
+
+
+def with_config(launch: Launch, config) -> Launch:
+    """``launch`` with ``config`` in force: through the tuner, or by keyword on a plain JIT function."""
+    if launch.tuner is not None:
+        return resolve(launch.launched, launch.grid, launch.args, launch.kwargs, config=config)
+    # Every parameter by name: a constexpr passed positionally cannot also be passed by keyword.
+    options = {k: v for k, v in launch.jit_kwargs.items() if k not in launch.jit.arg_names}
+    kwargs = {**launch.named_args(), **options, **config.all_kwargs()}
+    return Launch(launch.launched, launch.grid, (), kwargs, launch.jit, kwargs, config=config)
+
+
+def check(kernel) -> tuple[bool, int, int]:
+    """Whether Triton would load ``kernel`` now: its own ``_init_handles`` checks, no launch."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        kernel._init_handles()
+    except OutOfResources as error:
+        return False, error.required, error.limit
+    # A kernel that failed the "threads" check stays loaded, so _init_handles returns early on it.
+    threads = kernel.metadata.num_warps * getattr(kernel.metadata, "warp_size", 32)
+    if threads > kernel.n_max_threads:
+        return False, threads, kernel.n_max_threads
+    return True, kernel.metadata.shared, runtime.effective_limit(runtime.current_device())
+
+
+def describe(launch: Launch, kernel=None) -> str:
+    """``BLOCK_M=128 BLOCK_N=64 num_warps=4 num_stages=3``: the constexprs and the options in force."""
+    constexprs = launch.named_args()
+    parts = [f"{p.name}={constexprs.get(p.name)}" for p in launch.jit.params
+             if p.is_constexpr and isinstance(constexprs.get(p.name), (int, str, bool))]
+    if kernel is not None:
+        parts += [f"num_warps={kernel.metadata.num_warps}", f"num_stages={kernel.metadata.num_stages}"]
+    return " ".join(parts)
+
+
+def try_compile(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
+    """Compile ``launch`` with ``options`` and check it: (kernel or None, what was found)."""
+    try:
+        kernel = launch.compile(**options)
+    except Exception as error:  # this candidate does not compile (CompilationError, PTXASError): not a fit
+        return None, Attempt(label, None, None, False, introspect.error_summary(error, width=200))
+    fits, required, limit = check(kernel)
+    return kernel, Attempt(describe(launch, kernel), required, limit, fits)
+
+
+def jit_keys_of(launch: Launch, failing):
+    """The JIT cache keys whose kernel is a compile of ``failing``.
+
+    Matching by compile hash, not identity: threads that missed the JIT cache together each
+    compiled (and stored) their own copy of the failing kernel.
+    """
+    kernel_cache = launch.jit.device_caches[runtime.current_device()][0]
+    return (key for key, kernel in list(kernel_cache.items()) if kernel.hash == failing.hash)
+
+
+def replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
+    """Put ``replacement`` under every key whose kernel is a compile of ``failing``."""
+    kernel_cache = launch.jit.device_caches[runtime.current_device()][0]
+    for key in list(jit_keys_of(launch, failing)):
+        kernel_cache[key] = replacement

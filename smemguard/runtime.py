@@ -1,0 +1,119 @@
+"""Facts about the running process that the patches write and the engine reads.
+
+The patches (:mod:`smemguard.patches`) are the only writers: the emulated limit is set by the
+``max_shared_mem`` patch, autotuner timings by the ``autotuner_bench`` patch. The engine reads
+them here and never imports a patch module, so the dependency runs one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from typing import Iterator
+
+from . import versions
+
+log = logging.getLogger(__name__)
+
+_emulated_limit: int | None = None
+
+# tuning layer -> {tuning key -> {config -> median ms}}
+_timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_timings_lock = threading.Lock()
+_benchmarking = threading.local()
+
+
+def triton_version() -> str:
+    import triton
+
+    return getattr(triton, "__version__", "unknown")
+
+
+def triton_release() -> tuple[int, int] | None:
+    """(major, minor) of the imported Triton."""
+    return versions.parse(triton_version())
+
+
+def current_device() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_name(device: int) -> str | None:
+    """torch's name of the CUDA device (``"NVIDIA H200"``), or None without CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
+    except Exception:
+        log.debug("no device name", exc_info=True)
+        return None
+
+
+def device_description(device: int) -> dict:
+    """The device as records keep it: ``{name, backend, arch, index}``."""
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return {"name": gpu_name(device), "backend": target.backend, "arch": target.arch, "index": device}
+
+
+# -- shared-memory limits -------------------------------------------------------------------
+
+
+def set_emulated_limit(limit: int | None) -> None:
+    global _emulated_limit
+    _emulated_limit = limit
+
+
+def emulated_limit() -> int | None:
+    """The per-block limit smemguard makes Triton enforce (``SMEMGUARD_MAX_SHARED``), or None."""
+    return _emulated_limit
+
+
+def device_limit(device: int) -> int:
+    """The device's own per-block opt-in limit, whatever is emulated."""
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def effective_limit(device: int) -> int:
+    """The limit Triton enforces now: the device's, lowered by any emulation (Triton's own check asks the same function)."""
+    from triton.compiler import compiler
+
+    return compiler.max_shared_mem(device)
+
+
+# -- autotuner timings ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def benchmarking_scope() -> Iterator[None]:
+    """Marks this thread as inside ``Autotuner._bench`` while the block runs."""
+    _benchmarking.depth = getattr(_benchmarking, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _benchmarking.depth -= 1
+
+
+def benchmarking() -> bool:
+    """True while this thread is inside ``Autotuner._bench``: nothing may be changed there."""
+    return getattr(_benchmarking, "depth", 0) > 0
+
+
+def note_timing(tuner, key: tuple, config, median_ms: float) -> None:
+    with _timings_lock:
+        _timings.setdefault(tuner, {}).setdefault(key, {})[config] = median_ms
+
+
+def timings(tuner, key: tuple) -> dict:
+    """{config: median ms} the tuner measured for ``key`` (inf for configs that failed), possibly empty."""
+    with _timings_lock:
+        return dict(_timings.get(tuner, {}).get(key, {}))

@@ -1,0 +1,126 @@
+"""Every patch module keeps one contract: declared data, idempotent patch, exact unpatch, an
+``is_patched`` read from the target; checked in a fresh process per module, over stand-ins of the
+libraries that are not installed here (the real ones where they are)."""
+
+import importlib.util
+import json
+import textwrap
+
+import pytest
+
+from smemguard import patches
+from smemguard.versions import Supported
+
+from conftest import run_python
+
+# Packages with the module paths and parameters each library patch reads (not the libraries' code).
+STAND_INS = {
+    "vllm/__init__.py": "__version__ = '0.33.0'\n",
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/determinism/__init__.py": "",
+    "vllm/model_executor/determinism/batch_invariant.py":
+        "from kernels import vllm_style_persistent_matmul as matmul_kernel_persistent\n",
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/deep_gemm.py":
+        "def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms, indices=None):\n    return None\n",
+    "flag_gems/__init__.py": "__version__ = '5.0.2'\n",
+    "flag_gems/utils/__init__.py": "",
+    "flag_gems/utils/libentry.py": textwrap.dedent("""
+        from triton.runtime.autotuner import Autotuner
+
+        class LibTuner(Autotuner):
+            def get_key(self, args):
+                return tuple(args.values())
+
+            def run(self, *args, **kwargs):
+                return Autotuner.run(self, *args, **kwargs)
+
+        class LibEntry:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def run(self, *args, **kwargs):
+                return self.fn.run(*args, **kwargs)
+        """),
+    "flag_gems/ops/__init__.py": "",
+    "flag_gems/ops/mm.py": "from kernels import matmul_kernel as mm_kernel_general\n",
+}
+
+STEPS = ["patch", "patch", "unpatch", "unpatch", "patch", "unpatch", "patch", "patch", "unpatch"]
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stand-ins")
+    for relative, text in STAND_INS.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_registry_lists_every_patch_module_once():
+    import pkgutil
+
+    found = {info.name for info in pkgutil.iter_modules(patches.__path__)}
+    assert sorted(patches.MODULES) == sorted(found) and len(set(patches.MODULES)) == len(patches.MODULES)
+
+
+@pytest.mark.parametrize("module", patches.modules(), ids=lambda module: module.__name__.rsplit(".", 1)[-1])
+def test_the_module_declares_the_contract(module):
+    assert isinstance(module.TARGET, str) and module.TARGET.count(".") >= 2
+    assert module.TARGET_MODULES and all(isinstance(name, str) for name in module.TARGET_MODULES)
+    assert isinstance(module.SUPPORTED, Supported) and module.SUPPORTED.low < module.SUPPORTED.high
+    assert isinstance(module.OBSERVE_SAFE, bool)
+    assert all(callable(getattr(module, name)) for name in ("applies", "patch", "unpatch", "is_patched"))
+    assert "Checked against" in module.__doc__ and ("Why" in module.__doc__ or "What" in module.__doc__)
+
+
+@pytest.mark.parametrize("name", patches.MODULES)
+def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
+    module = importlib.import_module(f"smemguard.patches.{name}")
+    shadowed = [package for package in ("vllm", "flag_gems") if importlib.util.find_spec(package) is not None]
+    result = run_python(f"""
+        import importlib, json, sys
+        sys.path.append({str(stand_ins)!r})  # after site-packages: an installed library wins over its stand-in
+        import triton
+        from smemguard import guard
+        from smemguard.patches import PatchContext, {name} as module
+        from smemguard.settings import Settings
+
+        for target in module.TARGET_MODULES:
+            try:
+                importlib.import_module(target)
+            except ImportError:
+                pass
+
+        def target_object():
+            path = module.TARGET.split(".")
+            for split in range(len(path) - 1, 0, -1):
+                try:
+                    owner = importlib.import_module(".".join(path[:split]))
+                except ImportError:
+                    continue
+                for attribute in path[split:-1]:
+                    owner = getattr(owner, attribute)
+                return owner.__dict__.get(path[-1]) if isinstance(owner, type) else getattr(owner, path[-1])
+
+        context = PatchContext(Settings(max_shared=65536), guard._on_out_of_resources, guard._remembered_options)
+        before = target_object()
+        seen = []
+        for step in {STEPS!r}:
+            module.patch(context) if step == "patch" else module.unpatch()
+            seen.append(module.is_patched())
+        print(json.dumps({{"seen": seen, "restored": target_object() is before,
+                          "changed_when_patched": None}}))
+        module.patch(context)
+        changed = target_object() is not before
+        module.unpatch()
+        print(json.dumps({{"changed_when_patched": changed, "restored_again": target_object() is before}}))
+    """)
+    first, second = (json.loads(line) for line in result.stdout.splitlines()[-2:])
+    assert first["seen"] == [step == "patch" for step in STEPS], "is_patched must follow patch/unpatch exactly"
+    assert first["restored"] and second["restored_again"], f"{name} did not leave {module.TARGET} as it was"
+    # A patch that wraps its target replaces the object; one that describes a library (FlagGems' tuner,
+    # fallbacks of vLLM kernels) leaves it and registers with the engine instead.
+    assert second["changed_when_patched"] is (name not in ("flaggems", "vllm_batch_invariant")), shadowed
