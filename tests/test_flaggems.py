@@ -196,7 +196,9 @@ def test_the_pointer_matmul_for_misaligned_shapes_recovers_through_the_same_laye
         assert record["action"] == "fallback" and gpu.launches == []
         assert torch.equal(hopper_result, a @ b)
     else:
-        assert record["action"] in ("stages_reduced", "config_changed") and record["autotune_key"] == list(key)
+        # Misaligned operands keep sm_90's pipeline off: the tuned 128x256x64 tile fits with fewer stages.
+        assert record["action"] == "stages_reduced" and record["autotune_key"] == list(key)
+        assert "BLOCK_M=128 BLOCK_N=256" in record["final"] and gpu.launches[-1].num_stages < 4
         assert gpu.launches and all(launch.shared <= max_shared for launch in gpu.launches)
 
 

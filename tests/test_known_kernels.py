@@ -59,19 +59,24 @@ def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(ins
     c = torch.full((64, 1), float("nan"))
     with fake_gpu("L20", max_shared=10**7, cache_dir=triton_cache):
         shared = {stages: launch(a, b, c, stages=stages).metadata.shared for stages in (2, 3)}
-    # Triton 3.4 and 3.9 pipeline this loop (32768 B at 2 stages, 65536 at 3); 3.6 keeps a 65536 B epilogue
-    # at any stage count on sm_89, where only the fallback can help.
-    if shared[2] < shared[3]:
-        with fake_gpu("L20", max_shared=(shared[2] + shared[3]) // 2, cache_dir=triton_cache) as gpu:
-            kernel = launch(a, b, c)
-            assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
-        assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
     with fake_gpu("L20", max_shared=8192, cache_dir=triton_cache) as gpu:  # no stage count of 128x128x32 fits
         assert launch(a, b, c, bias) is None
         assert gpu.launches == []
     assert torch.allclose(c, a @ b + bias, atol=1e-4), "the torch fallback computed the product"
+    c.fill_(float("nan"))
+    stages_reduce = shared[2] < shared[3]
+    if stages_reduce:
+        with fake_gpu("L20", max_shared=(shared[2] + shared[3]) // 2, cache_dir=triton_cache) as gpu:
+            kernel = launch(a, b, c)
+            assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
+        assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
     smemguard.uninstall()
     assert not vllm_batch_invariant.is_patched() and registry.fallback_for(vllm_style_persistent_matmul) is None
+    if not stages_reduce:
+        import triton
+
+        pytest.skip(f"half skipped: Triton {triton.__version__} keeps a {shared[3]} B epilogue at any stage count on "
+                    "sm_89, so there is no stage count to reduce to (the fallback half ran and passed)")
 
 
 def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
