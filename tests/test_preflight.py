@@ -1,4 +1,4 @@
-"""smemguard check (the preflight) and smemguard.preflight.fits, on CPU against real Triton compiles."""
+"""smemguard check (the preflight) and smemguard.fits, on CPU against real Triton compiles."""
 
 import csv
 import json
@@ -11,11 +11,13 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+import smemguard
 from smemguard import cli, gpus, preflight
 from smemguard.examples import (attention_fwd_kernel, matmul_args, matmul_kernel, matmul_persistent_kernel,
                                 tiled_grid)
 from smemguard.testing import fake_gpu
 
+from conftest import run_python
 from kernels import autotuned, config
 
 L4 = gpus.lookup("L4")
@@ -319,7 +321,7 @@ def operands_256(aligned=True):
 def test_fits_keeps_what_the_textbook_formula_wrongly_drops_on_sm_89(triton_cache):
     fitting, too_big = config(128, 128, 64, 4), config(128, 128, 128, 4)
     assert textbook(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4)) > L4.max_shared
-    tuned = autotuned([fitting, too_big], prune_configs_by={"early_config_prune": preflight.fits})
+    tuned = autotuned([fitting, too_big], prune_configs_by={"early_config_prune": smemguard.fits})
     with fake_gpu("L4", cache_dir=triton_cache) as gpu:
         tuned.nargs = dict(zip(tuned.arg_names, operands_256()))
         assert tuned.prune_configs({}) == [fitting]
@@ -333,7 +335,7 @@ def test_fits_keeps_what_the_textbook_formula_wrongly_drops_on_sm_89(triton_cach
 
 def test_fits_never_returns_nothing_and_follows_the_emulated_limit(triton_cache, install_guard, caplog):
     small, big = config(64, 64, 64, 4), config(128, 128, 64, 4)  # 49152 B and 98304 B aligned on sm_89
-    prune = preflight.fits_for(matmul_kernel)
+    prune = smemguard.fits_for(matmul_kernel)
     named = dict(zip(matmul_kernel.arg_names, operands_256()))
     with fake_gpu("L4", cache_dir=triton_cache):
         assert prune([small, big], named) == [small, big]
@@ -346,7 +348,19 @@ def test_fits_never_returns_nothing_and_follows_the_emulated_limit(triton_cache,
 
 def test_fits_outside_an_autotuner_says_what_to_use_instead():
     with pytest.raises(TypeError, match="fits_for"):
-        preflight.fits([config(32, 32, 32, 2)], {})
+        smemguard.fits([config(32, 32, 32, 2)], {})
+
+
+def test_the_pruner_loads_without_the_offline_checker():
+    loaded = run_python("""
+        import sys
+        import smemguard
+        smemguard.fits, smemguard.fits_for
+        print(sorted(name for name in sys.modules if name.startswith("smemguard")))
+        print(sorted(name for name in ("triton", "torch", "multiprocessing", "concurrent.futures") if name in sys.modules))
+    """).stdout.splitlines()
+    assert "'smemguard.pruning'" in loaded[0] and "preflight" not in loaded[0]
+    assert loaded[1] == "[]", "importing the pruner imports neither Triton, torch nor the checker's process pool"
 
 
 def test_examples_declare_what_the_check_needs():
