@@ -229,7 +229,7 @@ class Report:
 def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: bool = False, jobs: int | None = None,
           cache: ResultCache | None = None, triton_cache_dir: str | None = None,
           progress: Callable[[Progress], None] | None = None) -> Report:
-    """Verdicts for every kernel x config x specialization x GPU (see the module docstring)."""
+    """Verdicts for every kernel x config x specialization x GPU (see :mod:`smemguard.preflight`)."""
     started = time.perf_counter()
     cache = cache or ResultCache(None)
     jobs = max(1, jobs or os.cpu_count() or 1)
