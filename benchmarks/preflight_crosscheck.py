@@ -12,7 +12,7 @@ flash-attention example) it:
 2. launches each config with real tensors in the same specialization, with its own Triton
    cache (so nothing the preflight compiled is reused), and records what the launch did:
    ran with `metadata.shared` bytes, or raised `OutOfResources` with `required` bytes;
-3. checks that `smemguard.preflight.fits_for(kernel)` keeps exactly the matmul configs that ran.
+3. checks that `smemguard.fits_for(kernel)` keeps exactly the matmul configs that ran.
 
 Prints one table row per config and exits 1 on any mismatch (2 without a GPU or with a GPU
 whose limit differs from smemguard's table).
@@ -34,6 +34,7 @@ from triton import knobs
 from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
+import smemguard
 from smemguard import gpus, preflight
 from smemguard.examples import (attention_args, attention_grid, matmul_args, matmul_kernel, tiled_grid)
 
@@ -150,7 +151,7 @@ def main() -> int:
 
             named = dict(zip(matmul_kernel.arg_names, operands(MATMUL, "aligned")[0]))
             aligned = [case for case in CASES if case.target == MATMUL and case.specialization == "aligned"]
-            kept = preflight.fits_for(matmul_kernel)([triton.Config(
+            kept = smemguard.fits_for(matmul_kernel)([triton.Config(
                 {k: v for k, v in case.config().items() if k.startswith("BLOCK")}, num_warps=case.meta[3],
                 num_stages=case.meta[4]) for case in aligned], named)
             kept_labels = {preflight.Variant.of(config).label() for config in kept}

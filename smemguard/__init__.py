@@ -20,10 +20,10 @@ __all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregis
 
 
 def __getattr__(name):
-    # The preflight engine (process pools, AST tools) is not needed to guard launches: every vLLM
-    # process imports smemguard at plugin registration, so it loads on first use only.
+    # The pruner is not needed to guard launches: every vLLM process imports smemguard at plugin
+    # registration, so it loads on first use only.
     if name in ("fits", "fits_for"):
-        from . import preflight
+        from . import pruning
 
-        return getattr(preflight, name)
+        return getattr(pruning, name)
     raise AttributeError(f"module 'smemguard' has no attribute {name!r}")

@@ -13,6 +13,9 @@ from typing import Any, Iterator
 #: Deeper than any real stack of layers; stops a walk over an object whose ``fn`` leads back to itself.
 MAX_LAYERS = 32
 
+#: Triton's errors whose last line says why (the ones before it are source or compiler output).
+_REASON_LAST = ("CompilationError", "PTXASError")
+
 #: The launch options of a ``triton.Config``, besides its constexprs.
 CONFIG_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
@@ -65,9 +68,10 @@ def config_fields(config) -> dict:
 def error_summary(error: BaseException, width: int = 300) -> str:
     """``"CompilationError: <reason>"``: the type and the one line that says why.
 
-    Triton's ``CompilationError`` puts the source excerpt first and the reason last; other
-    errors say it first.
+    Triton's compile errors put the source excerpt (or ptxas' banner) first and the reason
+    last; other errors say it first.
     """
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    reason = "" if not lines else lines[-1] if type(error).__name__ == "CompilationError" else lines[0]
+    reason_last = any(cls.__name__ in _REASON_LAST for cls in type(error).__mro__)
+    reason = "" if not lines else lines[-1] if reason_last else lines[0]
     return f"{type(error).__name__}: {reason[:width]}"

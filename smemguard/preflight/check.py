@@ -1,0 +1,328 @@
+"""The check: which compiles to run (the scheduler that trusts the estimate or not), their
+verdicts against each GPU's limit, and the report with its ``--json`` document."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .. import gpus, introspect
+from .._version import __version__
+from .cache import ResultCache
+from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key
+from .estimate import Estimate, estimate
+from .model import (CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
+                    Specialization, Variant)
+
+#: Version of the ``--json`` document (see :func:`Report.to_json`).
+SCHEMA = "smemguard.check/1"
+
+#: How many of the configs nearest the limit, per side, to consider when picking the one compiled
+#: to validate the estimate (the cheapest of them: big tiles take up to a minute to compile).
+VALIDATION_CANDIDATES = 4
+
+
+def _compile_cost(variant: Variant) -> float:
+    """Relative compile time: accumulator elements per warp drive LLVM's time (256x256 tiles on 4
+    warps take a minute where 64x64 take a second)."""
+    blocks = [value for _, value in variant.constexprs if isinstance(value, int) and value > 1]
+    return math.prod(blocks) / max(variant.num_warps, 1) if blocks else 1.0
+
+
+@dataclass
+class Item:
+    """One compile: kernel x config x specialization x arch, and what is known about it."""
+
+    kernel: CheckedKernel
+    variant: Variant
+    spec: Specialization
+    arch: int
+    request: CompileRequest | None = None
+    problem: str | None = None  # could not even be set up
+    interval: Estimate | None = None
+    result: dict | None = None  # {"shared", "error", "seconds"}
+    how: str | None = None  # MEASURED or CACHED once result is set
+    submitted: bool = False
+    retried: bool = False
+
+    def agrees(self) -> bool:
+        shared = self.result and self.result["shared"]
+        return shared is not None and self.interval is not None and self.interval.holds(shared)
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    planned: int
+    item: Item
+    elapsed: float
+
+
+@dataclass
+class Verdict:
+    verdict: str  # FITS, OVERFLOWS, ERROR, NOT_CHECKED
+    how: str | None = None  # MEASURED, CACHED, ESTIMATED
+    shared: int | None = None
+    low: int | None = None
+    high: int | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        data: dict[str, Any] = {"verdict": self.verdict, "how": self.how, "shared": self.shared}
+        if self.how == ESTIMATED:
+            data["estimate"] = {"low": self.low, "high": self.high}
+        if self.error:
+            data["error"] = self.error
+        return data
+
+
+class _Group:
+    """The items of one kernel, specialization and arch: the estimate is trusted or not per group."""
+
+    def __init__(self, items: list[Item], limits: list[int]) -> None:
+        self.items = items
+        self.limits = limits
+        self.trusted = True
+        self.tried: set[int] = set()
+
+    def unknown(self) -> list[Item]:
+        return [item for item in self.items if item.result is None and item.problem is None]
+
+    def to_compile(self) -> list[Item]:
+        """Items to compile now: ambiguous ones, validation samples, or all when the model failed."""
+        if any(item.result is not None and item.result["shared"] is not None and item.interval is not None
+               and not item.agrees() for item in self.items):
+            self.trusted = False
+        unknown = [item for item in self.unknown() if not item.submitted]
+        if not self.trusted:
+            return unknown
+        chosen = [item for item in unknown
+                  if item.interval is None or any(item.interval.decides(limit) is None for limit in self.limits)]
+        for limit in self.limits:
+            for side in (FITS, OVERFLOWS):
+                on_side = [item for item in self.items if item.interval is not None
+                           and item.interval.decides(limit) == side]
+                for regime in dict.fromkeys(item.interval.regime for item in on_side):
+                    chosen += self._sample([item for item in on_side if item.interval.regime == regime], limit)
+                    if not self.trusted:  # _sample changes no item: the unknown ones are as above
+                        return unknown
+        return list({id(item): item for item in chosen}.values())
+
+    def _sample(self, on_side: list[Item], limit: int) -> list[Item]:
+        """The cheapest of the configs nearest ``limit`` among ``on_side`` (one side of the limit, one
+        code path), unless one of them already agrees with the model or is being compiled to find out."""
+        if any(item.agrees() or (id(item) in self.tried and item.result is None) for item in on_side):
+            return []
+        untried = [item for item in sorted(on_side, key=lambda item: item.interval.distance(limit))
+                   if id(item) not in self.tried][:VALIDATION_CANDIDATES]
+        if not untried:
+            return []
+        if sum(id(item) in self.tried for item in on_side) >= VALIDATION_CANDIDATES:
+            self.trusted = False  # the configs near the limit do not compile: no evidence for the model
+            return []
+        sample = min(untried, key=lambda item: _compile_cost(item.variant))
+        self.tried.add(id(sample))
+        return [sample]
+
+
+@dataclass
+class Report:
+    kernels: list[CheckedKernel]
+    gpus: list[gpus.Gpu]
+    verdicts: dict[tuple[int, int, str, str], Verdict]  # (kernel index, variant index, spec name, gpu name)
+    compiles: int
+    cache_hits: int
+    seconds: float
+    exact: bool
+
+    def verdict(self, kernel: int, variant: int, spec: str, gpu: str) -> Verdict:
+        return self.verdicts[(kernel, variant, spec, gpu)]
+
+    def checked_gpus(self) -> list[gpus.Gpu]:
+        return [gpu for gpu in self.gpus if gpu.capability is not None]
+
+    def fits_everywhere(self, kernel: int, variant: int, gpu: str) -> bool:
+        return all(self.verdict(kernel, variant, spec.name, gpu).verdict == FITS
+                   for spec in self.kernels[kernel].specializations)
+
+    def without_fit(self, kernel: int, gpu: str) -> list[str]:
+        """Specializations in which no config of the kernel fits ``gpu``."""
+        k = self.kernels[kernel]
+        return [spec.name for spec in k.specializations
+                if not any(self.verdict(kernel, v, spec.name, gpu).verdict == FITS for v in range(len(k.variants)))]
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if any(self.without_fit(k, gpu.name) for k in range(len(self.kernels))
+                        for gpu in self.checked_gpus()) else 0
+
+    def counts(self) -> dict[str, int]:
+        counted = {MEASURED: 0, CACHED: 0, ESTIMATED: 0}
+        for verdict in self.verdicts.values():
+            if verdict.how in counted:
+                counted[verdict.how] += 1
+        return counted
+
+    def to_json(self) -> dict:
+        """The ``--json`` document (schema ``smemguard.check/1``)::
+
+            {"schema": "smemguard.check/1", "smemguard": "0.1.0", "triton": "3.9.0", "exact": false,
+             "exit_status": 1, "seconds": 41.2, "compiles": 52, "cache_hits": 0,
+             "verdicts": {"measured": 52, "cached": 0, "estimated": 1244},
+             "gpus": [{"name": "L4", "arch": "sm_89", "limit": 101376, "checked": true}, ...],
+             "kernels": [{"kernel": "smemguard.examples:flaggems_matmul",
+                          "jit": "smemguard.examples:matmul_kernel",
+                          "specializations": [{"name": "aligned", "aligned": true, "ones": []}, ...],
+                          "unit_args": ["stride_ak", "stride_bn", "stride_cn"],
+                          "configs": [{"config": "BLOCK_M=128 ... num_stages=4",
+                                       "constexprs": {"BLOCK_M": 128, ...}, "num_warps": 4, "num_stages": 4,
+                                       "gpus": {"L4": {"fits": false,
+                                                       "specializations": {"aligned": VERDICT, ...}}}}]}],
+             "summary": {"L4": {"checked": true, "configs": 229, "fit": 150,
+                                "kernels_without_fit": [{"kernel": "...", "specializations": ["N=1"]}]}}}
+
+        VERDICT = {"verdict": "fits" | "overflows" | "error" | "not_checked",
+                   "how": "measured" | "cached" | "estimated" | null,
+                   "shared": bytes measured (null when estimated or failed),
+                   "estimate": {"low": bytes, "high": bytes} (estimated only), "error": "..." (errors only)}.
+        A config "fits" a GPU when it fits in every specialization. "cached" is a measurement
+        made by an earlier run.
+        """
+        import triton
+
+        kernels = []
+        for k, kernel in enumerate(self.kernels):
+            configs = []
+            for v, variant in enumerate(kernel.variants):
+                per_gpu = {}
+                for gpu in self.gpus:
+                    per_gpu[gpu.name] = {
+                        "fits": self.fits_everywhere(k, v, gpu.name) if gpu.capability is not None else None,
+                        "specializations": {spec.name: self.verdict(k, v, spec.name, gpu.name).to_json()
+                                            for spec in kernel.specializations}}
+                configs.append({**variant.to_json(), "gpus": per_gpu})
+            kernels.append({"kernel": kernel.name, "jit": kernel.jit_name,
+                            "specializations": [spec.to_json() for spec in kernel.specializations],
+                            "unit_args": list(kernel.unit_args), "configs": configs})
+        summary = {}
+        for gpu in self.gpus:
+            checked = gpu.capability is not None
+            total = sum(len(kernel.variants) for kernel in self.kernels)
+            fit = sum(self.fits_everywhere(k, v, gpu.name) for k, kernel in enumerate(self.kernels)
+                      for v in range(len(kernel.variants))) if checked else None
+            missing = [{"kernel": kernel.name, "specializations": self.without_fit(k, gpu.name)}
+                       for k, kernel in enumerate(self.kernels) if checked and self.without_fit(k, gpu.name)]
+            summary[gpu.name] = {"checked": checked, "configs": total, "fit": fit, "kernels_without_fit": missing}
+        return {"schema": SCHEMA, "smemguard": __version__, "triton": triton.__version__, "exact": self.exact,
+                "exit_status": self.exit_status, "seconds": round(self.seconds, 2), "compiles": self.compiles,
+                "cache_hits": self.cache_hits, "verdicts": self.counts(),
+                "gpus": [{"name": gpu.name, "arch": gpu.arch, "limit": gpu.max_shared,
+                          "checked": gpu.capability is not None} for gpu in self.gpus],
+                "kernels": kernels, "summary": summary}
+
+
+def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: bool = False, jobs: int | None = None,
+          cache: ResultCache | None = None, triton_cache_dir: str | None = None,
+          progress: Callable[[Progress], None] | None = None) -> Report:
+    """Verdicts for every kernel x config x specialization x GPU (see :mod:`smemguard.preflight`)."""
+    started = time.perf_counter()
+    cache = cache or ResultCache(None)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    nvidia = [gpu for gpu in gpu_list if gpu.capability is not None]
+    limits = {arch: sorted({gpu.max_shared for gpu in nvidia if gpu.capability == arch})
+              for arch in sorted({gpu.capability for gpu in nvidia})}
+
+    groups: list[_Group] = []
+    items: dict[tuple[int, int, str, int], Item] = {}
+    cache_hits = 0
+    for k, kernel in enumerate(kernels):
+        for spec in kernel.specializations:
+            for arch, arch_limits in limits.items():
+                group_items = []
+                for v, variant in enumerate(kernel.variants):
+                    item = Item(kernel, variant, spec, arch)
+                    try:
+                        item.request = build_request(kernel, variant, spec, arch)
+                        item.request.key = cache_key(kernel.jit, item.request)
+                    except PlanError as error:
+                        item.problem = str(error)
+                    except Exception as error:  # the compiler's front end rejected the signature
+                        item.problem = introspect.error_summary(error)
+                    if item.request is not None and item.problem is None:
+                        item.result = cache.get(item.request.key)
+                        if item.result is not None:
+                            item.how, cache_hits = CACHED, cache_hits + 1
+                        if not exact:
+                            item.interval = estimate(item.request, spec)
+                    items[(k, v, spec.name, arch)] = item
+                    group_items.append(item)
+                groups.append(_Group(group_items, arch_limits))
+
+    compiles = 0
+    compiler = Compiler(jobs, triton_cache_dir)
+    try:
+        in_flight: dict[concurrent.futures.Future, Item] = {}
+        planned = 0
+        while True:
+            batch = [item for group in groups for item in (group.unknown() if exact else group.to_compile())
+                     if not item.submitted]
+            # Longest first: the pool finishes together instead of waiting on one late big tile.
+            for item in sorted(batch, key=lambda item: -_compile_cost(item.variant)):
+                item.submitted = True
+                planned += 1
+                in_flight[compiler.submit(item.kernel.jit, item.request)] = item
+            if not in_flight:
+                break
+            finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                item = in_flight.pop(future)
+                try:
+                    item.result = future.result()
+                except BrokenProcessPool as error:  # a compiler process died (crash, out of memory)
+                    if not item.retried:  # maybe a neighbour's compile took it down: once more, in a fresh pool
+                        item.retried = True
+                        in_flight[compiler.submit(item.kernel.jit, item.request)] = item
+                        continue
+                    item.result = {"shared": None, "error": f"compiler process failed: {introspect.error_summary(error)}",
+                                   "seconds": 0.0}
+                else:
+                    cache.put(item.request.key, {**item.result, "kernel": item.kernel.jit_name,
+                                                 "config": item.variant.label(), "specialization": item.spec.name,
+                                                 "arch": item.arch})
+                item.how = MEASURED
+                compiles += 1
+                if progress is not None:
+                    progress(Progress(compiles, planned, item, time.perf_counter() - started))
+    finally:
+        compiler.close()
+
+    verdicts = {}
+    for k, kernel in enumerate(kernels):
+        for v in range(len(kernel.variants)):
+            for spec in kernel.specializations:
+                for gpu in gpu_list:
+                    if gpu.capability is None:
+                        verdict = Verdict(NOT_CHECKED, error="AMD GPUs are not compiled for here")
+                    else:
+                        verdict = _verdict(items[(k, v, spec.name, gpu.capability)], gpu.max_shared)
+                    verdicts[(k, v, spec.name, gpu.name)] = verdict
+    return Report(list(kernels), list(gpu_list), verdicts, compiles, cache_hits, time.perf_counter() - started, exact)
+
+
+def _verdict(item: Item, limit: int) -> Verdict:
+    if item.problem is not None:
+        return Verdict(ERROR, error=item.problem)
+    if item.result is not None:
+        shared = item.result["shared"]
+        if shared is None:
+            return Verdict(ERROR, item.how, error=item.result["error"])
+        return Verdict(FITS if shared <= limit else OVERFLOWS, item.how, shared)
+    assert item.interval is not None, "an item without a result was decided by the estimate"
+    decided = item.interval.decides(limit)
+    assert decided is not None
+    return Verdict(decided, ESTIMATED, low=item.interval.low, high=item.interval.high)

@@ -1,0 +1,258 @@
+"""Compiling one config: the request a launch in a specialization would compile (signature,
+constants, divisibility), Triton's own compile-cache key for it, and the pool of compiler processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import io
+import multiprocessing
+import time
+import warnings
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from .. import introspect, runtime
+from .discovery import jit_from_locator
+from .model import ELEMENT_BYTES, CheckedKernel, Specialization, Variant
+
+#: Integer sizes Triton's launcher marks as divisible by 16 and turns into a constant when 1.
+_INT_TYPES = ("i32", "i64", "u32", "u64")
+
+
+@dataclass
+class CompileRequest:
+    signature: dict[str, str]
+    constants: dict[str, Any]
+    divisible: tuple[str, ...]
+    options: dict[str, Any]
+    arch: int
+    locator: tuple[str, str, str | None] | None
+    key: str = ""
+
+
+class PlanError(Exception):
+    """This config cannot be compiled as asked (missing constexpr, failing heuristic)."""
+
+
+class _StandInPointer:
+    """What a ``triton.heuristics`` function sees for a tensor argument during a check."""
+
+    def __init__(self, dtype: str, aligned: bool) -> None:
+        self._dtype = dtype
+        self._aligned = aligned
+
+    @property
+    def dtype(self):
+        import torch
+
+        names = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
+                 "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "fp8e4nv": "float8_e4m3fn",
+                 "fp8e5": "float8_e5m2"}
+        return getattr(torch, names.get(self._dtype, self._dtype))
+
+    def element_size(self) -> int:
+        return ELEMENT_BYTES.get(self._dtype, 4)
+
+    def data_ptr(self) -> int:
+        return 1 << 20 if self._aligned else (1 << 20) + 2
+
+
+#: The size a heuristic sees for an integer argument (divisible by 16 or not, as the specialization).
+HEURISTIC_SIZE = {True: 4096, False: 4095}
+
+
+def _heuristic_values(kernel: CheckedKernel, values: dict, spec: Specialization, ones: set[str]) -> dict:
+    named: dict[str, Any] = {}
+    for name, ty in kernel.types.items():
+        if ty.startswith("*"):
+            named[name] = _StandInPointer(ty[1:], spec.aligned)
+        elif ty in _INT_TYPES:
+            named[name] = 1 if name in ones else HEURISTIC_SIZE[spec.aligned]
+        else:
+            named[name] = 1.0
+    named.update(values)
+    computed = {}
+    for layer in kernel.heuristics:  # outermost first: Heuristics.run fills its values, then calls the inner layer
+        for name, heuristic in layer.items():
+            try:
+                computed[name] = named[name] = heuristic(dict(named))
+            except Exception as error:
+                raise PlanError(f"heuristic for {name} failed on stand-in arguments ({type(error).__name__}: "
+                                 f"{error}); give {name} with --const") from error
+    return computed
+
+
+def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization, arch: int) -> CompileRequest:
+    """The signature, constants and divisibility a launch in ``spec`` would compile ``variant`` with."""
+    values = {p.name: p.default for p in kernel.jit.params if p.is_constexpr and p.has_default}
+    values.update(kernel.constants)
+    values.update(variant.constexprs)
+    ones = set(kernel.unit_args) | set(spec.ones)
+    if kernel.heuristics:
+        values.update(_heuristic_values(kernel, values, spec, ones))
+    signature: dict[str, str] = {}
+    constants: dict[str, Any] = {}
+    divisible = []
+    for param in kernel.jit.params:
+        name = param.name
+        if param.is_constexpr:
+            if name not in values:
+                raise PlanError(f"constexpr {name} has no value; give it with --const {name}=VALUE")
+            signature[name], constants[name] = "constexpr", values[name]
+            continue
+        ty = kernel.types[name]
+        if name in ones and ty in _INT_TYPES and not param.do_not_specialize:
+            signature[name], constants[name] = "constexpr", 1
+            continue
+        signature[name] = ty
+        specializable = ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize)
+        if spec.aligned and specializable and not param.do_not_specialize_on_alignment:
+            divisible.append(name)
+    return CompileRequest(signature, constants, tuple(divisible), variant.options(), arch, kernel.locator)
+
+
+def _attrs(jit, request: CompileRequest) -> dict:
+    """``ASTSource`` attributes, laid out as Triton's launcher lays them out (parameter-index paths;
+    an empty list for an argument it could have marked): the same compile-cache entry as a launch.
+    Before 3.7 constexprs carried no entry unless their value was a string."""
+    every_constexpr_listed = runtime.triton_release() >= (3, 7)
+    attrs = {}
+    for index, param in enumerate(jit.params):
+        name, ty = param.name, request.signature[param.name]
+        if name in request.divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif ty == "constexpr":
+            if every_constexpr_listed or isinstance(request.constants[name], str):
+                attrs[(index,)] = []
+        elif ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize):
+            attrs[(index,)] = []
+    return attrs
+
+
+def _source(jit, request: CompileRequest):
+    from triton.compiler.compiler import ASTSource
+
+    return ASTSource(jit, dict(request.signature), dict(request.constants), _attrs(jit, request))
+
+
+@contextlib.contextmanager
+def _quiet_triton():
+    """Triton 3.9 warns once per process that an fp-fusion default will change; not ours to show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        yield
+
+
+_backends: dict[int, Any] = {}
+
+
+def _backend(arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    if arch not in _backends:
+        _backends[arch] = make_backend(GPUTarget("cuda", arch, 32))
+    return _backends[arch]
+
+
+def _triton_key() -> str:
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # Triton 3.4
+        from triton.compiler.compiler import triton_key
+    return triton_key()
+
+
+def cache_key(jit, request: CompileRequest) -> str:
+    """Triton's own compile-cache key for this compile (3.4-3.9 compute it the same way), plus the target."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    backend = _backend(request.arch)
+    with _quiet_triton():
+        options = backend.parse_options(dict(request.options))
+    env = sorted(get_cache_invalidating_env_vars().items())
+    triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
+    return hashlib.sha256(f"smemguard-preflight-1|cuda:{request.arch}|{triton_key}".encode()).hexdigest()
+
+
+def compile_request(jit, request: CompileRequest) -> dict:
+    """Compile for the request's arch; the measured result (``shared`` or ``error``). Never raises
+    for a config that does not compile: that is a verdict."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    started = time.perf_counter()
+    try:
+        # Triton prints a ptxas reproducer on stdout when ptxas fails; stdout may be --json.
+        with _quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
+            kernel = triton.compile(_source(jit, request), target=GPUTarget("cuda", request.arch, 32),
+                                    options=dict(request.options))
+        return {"shared": int(kernel.metadata.shared), "error": None, "seconds": time.perf_counter() - started}
+    except Exception as error:  # CompilationError, PTXASError, assertion in a pass: the config does not compile
+        return {"shared": None, "error": introspect.error_summary(error), "seconds": time.perf_counter() - started}
+
+
+_worker_jits: dict = {}
+
+
+def _worker_init(triton_cache_dir: str | None) -> None:
+    if triton_cache_dir is not None:
+        from triton import knobs
+
+        knobs.cache.dir = triton_cache_dir
+
+
+def _compile_in_worker(request: CompileRequest) -> dict:
+    if request.locator not in _worker_jits:
+        _worker_jits[request.locator] = jit_from_locator(request.locator)
+    return compile_request(_worker_jits[request.locator], request)
+
+
+class Compiler:
+    """Compiles in a pool of spawned processes (a fresh Triton each) when there are several jobs and
+    the kernel can be imported there; here otherwise."""
+
+    def __init__(self, jobs: int, triton_cache_dir: str | None) -> None:
+        self._jobs = jobs
+        self._triton_cache_dir = triton_cache_dir
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def submit(self, jit, request: CompileRequest) -> concurrent.futures.Future:
+        if self._jobs > 1 and request.locator is not None and _picklable(request):
+            if self._pool is None:
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    self._jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                    initargs=(self._triton_cache_dir,))
+            try:
+                return self._pool.submit(_compile_in_worker, request)
+            except BrokenProcessPool:
+                self.close()
+                self._pool = None
+                return self.submit(jit, request)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with _triton_cache(self._triton_cache_dir):
+            done.set_result(compile_request(jit, request))
+        return done
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _triton_cache(directory: str | None):
+    if directory is None:
+        yield
+        return
+    from triton import knobs
+
+    with knobs.cache.scope():
+        knobs.cache.dir = directory
+        yield
+
+
+def _picklable(request: CompileRequest) -> bool:
+    return all(isinstance(value, (int, float, str, bool, type(None))) for value in request.constants.values())

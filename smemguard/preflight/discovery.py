@@ -1,0 +1,300 @@
+"""Finding kernels: the Triton kernels a target names, their configs, argument types and
+specializations, and the same JIT function again in a worker process."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Sequence
+
+from .. import introspect
+from .model import ALIGNED, MISALIGNED, CheckedKernel, Specialization, TargetError, Variant
+
+log = logging.getLogger(__name__)
+
+#: What a module's ``SMEMGUARD_PREFLIGHT`` entry (or the command line) can say about a kernel.
+_HINT_KEYS = ("dtype", "signature", "constants", "configs", "ones", "unit")
+
+
+def _triton_classes():
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction, Autotuner, Heuristics
+
+
+def _is_kernel(obj) -> bool:
+    return isinstance(obj, _triton_classes())
+
+
+def _load_file(path: Path) -> ModuleType:
+    """Import a kernel file under a name of its own (a file called ``triton.py`` must not shadow Triton)."""
+    name = f"smemguard_check_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TargetError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    # Kernel files import their neighbours like scripts do.
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import(module_name: str, file: str | None) -> ModuleType:
+    if file is not None:
+        return _load_file(Path(file))
+    return importlib.import_module(module_name)
+
+
+def _split_target(target: str) -> tuple[str, str | None]:
+    """``"pkg.mod:kernel"`` -> ("pkg.mod", "kernel"); ``"kernels.py"`` -> ("kernels.py", None)."""
+    match = re.fullmatch(r"(.+):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", target)
+    return (match.group(1), match.group(2)) if match else (target, None)
+
+
+def _open_target(target: str) -> tuple[ModuleType, str | None, str | None]:
+    """The module named or pointed at by ``target``, the attribute asked for, and the file if a path."""
+    where, attribute = _split_target(target)
+    looks_like_path = where.endswith(".py") or os.sep in where or Path(where).is_file()
+    try:
+        if looks_like_path:
+            path = Path(where).expanduser().resolve()
+            if not path.is_file():
+                raise TargetError(f"{target!r}: no such file")
+            return _load_file(path), attribute, str(path)
+        return importlib.import_module(where), attribute, None
+    except TargetError:
+        raise
+    except Exception as error:
+        raise TargetError(f"{target!r} could not be imported: {type(error).__name__}: {error}") from error
+
+
+def _resolve_attribute(module: ModuleType, attribute: str):
+    obj: Any = module
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _innermost(obj):
+    """The JIT function under autotuner/heuristics layers, the autotuner, and the heuristics values."""
+    JITFunction, Autotuner, Heuristics = _triton_classes()
+    autotuner, heuristics = None, []
+    for layer in introspect.chain(obj):
+        if isinstance(layer, JITFunction):
+            return layer, autotuner, heuristics
+        if isinstance(layer, Autotuner) and autotuner is None:
+            autotuner = layer
+        elif isinstance(layer, Heuristics):
+            heuristics.append(dict(layer.values))
+    raise TargetError(f"{type(obj).__name__} is not a Triton kernel")
+
+
+def jit_from_locator(locator: tuple[str, str, str | None]):
+    module_name, attribute, file = locator
+    return _innermost(_resolve_attribute(_import(module_name, file), attribute))[0]
+
+
+def discover(targets: Sequence[str], examples: bool = False, overrides: dict | None = None) -> list[CheckedKernel]:
+    """The kernels named by ``targets`` (modules, ``module:kernel``, files) and, with ``examples``,
+    smemguard's own example kernels. ``overrides`` are hints (see :data:`_HINT_KEYS`) that win over
+    those a module declares in ``SMEMGUARD_PREFLIGHT``. Raises :class:`TargetError`."""
+    overrides = overrides or {}
+    found: list[tuple[str, ModuleType, str, str | None, Any, bool]] = []
+    names = list(targets) + (["smemguard.examples"] if examples else [])
+    if not names:
+        raise TargetError("nothing to check: name a module, module:kernel or file, or pass --examples")
+    for target in names:
+        module, attribute, file = _open_target(target)
+        label = Path(file).name if file else module.__name__
+        if attribute is not None:
+            try:
+                obj = _resolve_attribute(module, attribute)
+            except AttributeError:
+                raise TargetError(f"{target!r}: {label} has no attribute {attribute!r}") from None
+            if not _is_kernel(obj):
+                raise TargetError(f"{target!r} is a {type(obj).__name__}, not a Triton kernel "
+                                  "(@triton.jit, triton.autotune or triton.heuristics)")
+            found.append((f"{label}:{attribute}", module, attribute, file, obj, True))
+            continue
+        in_module = [(name, obj) for name, obj in vars(module).items() if _is_kernel(obj)]
+        if not in_module:
+            raise TargetError(f"{target!r} defines no Triton kernel")
+        hints = getattr(module, "SMEMGUARD_PREFLIGHT", {})
+        wrapped = {id(_innermost(obj)[0]) for _, obj in in_module if not isinstance(obj, _triton_classes()[0])}
+        seen: set[int] = set()
+        for name, obj in in_module:
+            # A JIT function an autotuner of the same module wraps is checked through it, with its configs.
+            if id(obj) in seen or (id(obj) in wrapped and name not in hints):
+                continue
+            seen.add(id(obj))
+            found.append((f"{label}:{name}", module, name, file, obj, False))
+
+    kernels = []
+    for name, module, attribute, file, obj, explicit in found:
+        hints = {**getattr(module, "SMEMGUARD_PREFLIGHT", {}).get(attribute, {})}
+        for key, value in overrides.items():
+            hints[key] = {**hints.get(key, {}), **value} if key in ("signature", "constants") else value
+        kernel = _make_kernel(name, obj, hints, locator_from=(module, attribute, file))
+        if kernel is None:
+            if explicit:
+                raise TargetError(f"{name}: no config to check: it is a plain @triton.jit kernel with constexprs "
+                                  "that have no default; give them with --meta NAME=VALUE,... (one --meta per config)")
+            log.warning("smemguard check: skipping %s: a plain @triton.jit kernel whose constexprs have no default "
+                        "(name it as module:kernel with --meta to check it)", name)
+            continue
+        if all(kernel.name != known.name for known in kernels):
+            kernels.append(kernel)
+    if not kernels:
+        raise TargetError("no kernel to check: the kernels found need --meta to give their constexprs")
+    return kernels
+
+
+def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKernel | None:
+    unknown = sorted(set(hints) - set(_HINT_KEYS))
+    if unknown:
+        raise TargetError(f"{name}: unknown preflight hints {unknown}; known: {', '.join(_HINT_KEYS)}")
+    jit, autotuner, heuristics = _innermost(obj)
+    runtime_names = [p.name for p in jit.params if not p.is_constexpr]
+    constants = dict(hints.get("constants", {}))
+    if hints.get("configs"):
+        variants = [Variant.of(config) for config in hints["configs"]]
+    elif autotuner is not None:
+        variants = [Variant.of(config) for config in autotuner.configs]
+    else:
+        missing = [p.name for p in jit.params if p.is_constexpr and not p.has_default and p.name not in constants
+                   and not any(p.name in values for values in heuristics)]
+        if missing:
+            return None
+        variants = [Variant(())]
+
+    for label, names in (("--const", constants), ("signature", hints.get("signature", {}))):
+        strangers = sorted(set(names) - set(jit.arg_names))
+        if strangers:
+            raise TargetError(f"{name}: {label} names {strangers}, which are not parameters of {jit.fn.__name__}")
+    unit = _unit_args(runtime_names, hints.get("unit", "auto"), name)
+    ones_lists = [tuple(ones) for ones in hints.get("ones", [])]
+    for ones in ones_lists:
+        wrong = [arg for arg in ones if arg not in runtime_names]
+        if wrong:
+            raise TargetError(f"{name}: --one names {wrong}, which are not integer parameters of {jit.fn.__name__} "
+                              f"(those are: {', '.join(runtime_names)})")
+    specializations = [Specialization(ALIGNED, True), Specialization(MISALIGNED, False)]
+    specializations += [Specialization(f"{ones[0]}=1", True, ones) for ones in ones_lists]
+
+    types = _argument_types(jit, hints.get("dtype", "fp16"), hints.get("signature", {}))
+    module, attribute, file = locator_from
+    # How a worker process finds the same JIT function; it cannot import one defined in __main__.
+    locator = None if module.__name__ == "__main__" else (module.__name__, attribute, file)
+    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator)
+
+
+def _unit_args(runtime_names: list[str], unit, kernel_name: str) -> tuple[str, ...]:
+    """Arguments equal to 1 in every launch: named, none, or ``auto``: the last of each run of
+    ``stride_<tensor><dim>`` parameters of one tensor (``stride_am, stride_ak`` -> ``stride_ak``),
+    the innermost stride of a contiguous tensor."""
+    if unit == "none":
+        return ()
+    if unit != "auto":
+        names = tuple(unit)
+        wrong = [arg for arg in names if arg not in runtime_names]
+        if wrong:
+            raise TargetError(f"{kernel_name}: --unit names {wrong}, which are not runtime parameters")
+        return names
+    runs: list[list[str]] = []
+    for arg in runtime_names:
+        if not arg.startswith("stride"):
+            runs.append([])
+        elif runs and runs[-1] and runs[-1][-1][:-1] == arg[:-1]:
+            runs[-1].append(arg)
+        else:
+            runs.append([arg])
+    return tuple(run[-1] for run in runs if len(run) >= 2)
+
+
+# Calls whose first argument (or ``pointer=``/``base=``) is a pointer expression.
+_POINTER_CALLS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min",
+                  "atomic_and", "atomic_or", "atomic_xor", "make_block_ptr", "make_tensor_descriptor"}
+
+
+def _pointer_parameters(jit) -> set[str]:
+    """Parameters the kernel loads from or stores to, read from its source.
+
+    A pointer expression is a sum whose terms are pointers and offsets; offsets are products
+    (``rm * stride_am``) or locals made of them, so the names found among the *terms* of the
+    sums reaching ``tl.load``/``tl.store`` (through local variables) are the pointers. Also
+    counted: parameters whose ``.dtype`` or ``.type`` is read, and names ending in ``ptr``.
+    """
+    params = set(jit.arg_names)
+    tree = ast.parse(textwrap.dedent(jit.src))
+    origins: dict[str, set[str]] = {}
+    pointer_expressions: list[ast.AST] = []
+    found = {name for name in params if name.lower().endswith("ptr")}
+
+    def terms(node) -> set[str]:
+        if isinstance(node, ast.Name):
+            return {node.id}
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            return terms(node.left) | terms(node.right)
+        if isinstance(node, ast.Subscript):
+            return terms(node.value)
+        return set()
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            origins.setdefault(node.targets[0].id, set()).update(terms(node.value))
+        elif isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if called in _POINTER_CALLS:
+                pointer_expressions += node.args[:1]
+                pointer_expressions += [kw.value for kw in node.keywords if kw.arg in ("pointer", "base")]
+        elif isinstance(node, ast.Attribute) and node.attr in ("dtype", "type") and isinstance(node.value, ast.Name):
+            found.add(node.value.id)
+
+    pending = [name for expression in pointer_expressions for name in terms(expression)]
+    visited: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in visited:
+            continue
+        visited.add(name)
+        if name in params:
+            found.add(name)
+        pending.extend(origins.get(name, ()))
+    return found & params
+
+
+def _argument_types(jit, dtype: str, explicit: dict[str, str]) -> dict[str, str]:
+    """Triton type of each runtime parameter: given, annotated, or inferred (pointer to ``dtype``, else i32)."""
+    pointers = _pointer_parameters(jit)
+    types = {}
+    for param in jit.params:
+        if param.is_constexpr:
+            continue
+        annotation = param.annotation_type if isinstance(param.annotation_type, str) else ""
+        if param.name in explicit:
+            types[param.name] = explicit[param.name]
+        elif annotation:
+            types[param.name] = annotation
+        elif param.name in pointers:
+            types[param.name] = f"*{dtype}"
+        else:
+            types[param.name] = "i32"
+    return types

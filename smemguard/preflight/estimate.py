@@ -1,0 +1,112 @@
+"""The calibrated estimate: bounds on the shared memory of a matmul-like compile, without compiling.
+
+For matmul-like configs (``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` constexprs) inside the calibrated domain
+(sm_80, sm_89, sm_90; fp16, bf16 or fp32 operands; tiles 32 to 256, BLOCK_K 32 to 128, 1 to 5
+stages, 4 or 8 warps) an interval estimate decides the clear cases. With T the bytes of one stage
+of the A and B tiles, E those of one output tile and S the stages:
+
+=================================================================  ===========================
+code path                                                          interval (bytes)
+=================================================================  ===========================
+wgmma: sm_90, BLOCK_M >= 64, pipelined                             [S·T, S·T]
+mma: sm_80/89, or BLOCK_M < 64, pipelined                          [(S-1)·T, max((S-1)·T, E)]
+one stage: misaligned 2-byte operands (cp.async needs 4 bytes)     [T, max(T, E)]
+launches with arguments == 1                                       [T, S·T + E]
+=================================================================  ===========================
+
+"Pipelined" means cp.async can feed the stages: 16-byte aligned, or 4-byte elements (fp32 is
+pipelined even misaligned). Calibration: every measurement lies inside its interval, so the
+estimate is off by at most the interval's width (nothing for wgmma; up to E - (S-1)·T where an
+epilogue scratch dominates, 16 of 446 configs in the Triton 3.6 sweep). Measured: the 743
+configs of ``tests/data/triton36_smem_sweep.csv`` (Triton 3.6; fp16, fp32; aligned,
+misaligned, N == 1; sm_80/89/90) and, with Triton 3.9.0 on the same archs, 3096 compiles:
+FlagGems' 216-config grid in fp16 and 138 configs in bf16 (aligned, misaligned), 108 in fp32
+(aligned, misaligned, N == 1). The textbook S·T is off by S/(S-1) on sm_80/89: it drops configs that fit. A verdict
+is taken from the estimate only when the whole interval is :data:`ESTIMATE_MARGIN` clear of the
+limit, and only for a kernel whose measured configs agree with the model on that arch,
+specialization and code path (:mod:`.check` decides which): the configs nearest the limit on each
+side are always compiled, and one measurement outside its interval makes the check compile every
+config of that group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .compiling import CompileRequest
+from .model import ELEMENT_BYTES, FITS, OVERFLOWS, Specialization
+
+#: How far (relative) an estimate's whole interval must be from the limit to decide a verdict.
+#: Every calibration measurement lies inside its interval; the margin covers other Triton releases
+#: and kernels that differ from the calibrated ones in ways the validation compiles did not catch.
+ESTIMATE_MARGIN = 0.10
+
+#: Archs with calibration data. Others (sm_86, sm_100, sm_120, ...) are always compiled.
+CALIBRATED_ARCHS = (80, 89, 90)
+
+#: Element types of the A operand with calibration data.
+CALIBRATED_OPERANDS = ("fp16", "bf16", "fp32")
+
+_TILE_NAME = re.compile(r"^(?:BLOCK|BLOCK_SIZE|TILE|TILE_SIZE)_?([MNK])$|^B([MNK])$")
+
+
+def _tiles(constexprs: dict) -> tuple[int, int, int] | None:
+    dims: dict[str, int] = {}
+    for name, value in constexprs.items():
+        match = _TILE_NAME.match(name)
+        if match and isinstance(value, int) and not isinstance(value, bool):
+            dims[match.group(1) or match.group(2)] = value
+    return (dims["M"], dims["N"], dims["K"]) if len(dims) == 3 else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bounds on the shared memory a compile will need, and the code path they assume."""
+
+    low: int
+    high: int
+    regime: str  # "wgmma", "mma", "one stage" or "arguments == 1"
+
+    def holds(self, shared: int) -> bool:
+        return self.low <= shared <= self.high
+
+    def decides(self, limit: int) -> str | None:
+        """FITS or OVERFLOWS when the whole interval is :data:`ESTIMATE_MARGIN` clear of ``limit``."""
+        if self.high <= limit * (1 - ESTIMATE_MARGIN):
+            return FITS
+        if self.low >= limit * (1 + ESTIMATE_MARGIN):
+            return OVERFLOWS
+        return None
+
+    def distance(self, limit: int) -> float:
+        return (limit - self.high) / limit if self.high <= limit else (self.low - limit) / limit
+
+
+def estimate(request: CompileRequest, spec: Specialization) -> Estimate | None:
+    """Calibrated bounds for a matmul-like compile, or None outside the calibrated domain
+    (arch, operand type, tile sizes, stages, warps): then only a compile can tell."""
+    tiles = _tiles(request.constants)
+    pointer_types = [ty[1:] for ty in request.signature.values() if ty.startswith("*")]
+    if request.arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types:
+        return None
+    operand, stages, warps = pointer_types[0], request.options["num_stages"], request.options["num_warps"]
+    block_m, block_n, block_k = tiles
+    in_domain = (operand in CALIBRATED_OPERANDS and all(ty in ELEMENT_BYTES for ty in pointer_types)
+                 and 32 <= min(block_m, block_n) and max(block_m, block_n) <= 256 and 32 <= block_k <= 128
+                 and 1 <= stages <= 5 and warps in (4, 8))
+    if not in_domain:
+        return None
+    element = ELEMENT_BYTES[operand]
+    stage = (block_m * block_k + block_k * block_n) * element
+    epilogue = block_m * block_n * max(ELEMENT_BYTES[ty] for ty in pointer_types)
+    if spec.ones:
+        return Estimate(stage, stages * stage + epilogue, "arguments == 1")
+    # cp.async copies 4, 8 or 16 bytes: 4-byte elements are always pipelined, 2-byte ones only
+    # from 16-byte aligned addresses; otherwise the loads go through registers, one stage.
+    if not spec.aligned and element < 4:
+        return Estimate(stage, max(stage, epilogue), "one stage")
+    if request.arch >= 90 and block_m >= 64:  # wgmma reads every stage from shared memory
+        return Estimate(stages * stage, stages * stage, "wgmma")
+    pipelined = max(stages - 1, 1) * stage  # mma: one stage lives in registers
+    return Estimate(pipelined, max(pipelined, epilogue), "mma")

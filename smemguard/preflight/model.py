@@ -1,0 +1,101 @@
+"""What the check checks: kernels, their configs and the specializations they are compiled in,
+and the words its verdicts are made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import incidents, introspect
+
+ALIGNED = "aligned"
+MISALIGNED = "misaligned"
+
+FITS = "fits"
+OVERFLOWS = "overflows"
+ERROR = "error"
+NOT_CHECKED = "not_checked"
+
+MEASURED = "measured"
+CACHED = "cached"
+ESTIMATED = "estimated"
+
+#: Bytes per element of each Triton scalar type a pointer can point to.
+ELEMENT_BYTES = {"fp8e4nv": 1, "fp8e5": 1, "fp8e4b15": 1, "fp8e4b8": 1, "fp8e5b16": 1, "i8": 1, "u8": 1,
+                 "fp16": 2, "bf16": 2, "i16": 2, "u16": 2, "fp32": 4, "i32": 4, "u32": 4, "fp64": 8, "i64": 8,
+                 "u64": 8}
+
+
+class TargetError(ValueError):
+    """A check that cannot start: unknown GPU, unimportable target, malformed option."""
+
+
+@dataclass(frozen=True)
+class Specialization:
+    name: str
+    aligned: bool
+    ones: tuple[str, ...] = ()  # integer arguments equal to 1 in this specialization
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "aligned": self.aligned, "ones": list(self.ones)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One config: constexpr values and compile options."""
+
+    constexprs: tuple[tuple[str, Any], ...]
+    num_warps: int = 4
+    num_stages: int = 3
+    num_ctas: int = 1
+    maxnreg: int | None = None
+
+    @classmethod
+    def of(cls, config) -> "Variant":
+        """From a ``triton.Config`` or a dict of constexprs plus ``num_warps``/``num_stages``/..."""
+        if isinstance(config, Variant):
+            return config
+        if isinstance(config, dict):
+            meta = dict(config)
+            options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "num_ctas", "maxnreg") if key in meta}
+            return cls(tuple(meta.items()), **options)
+        return cls(tuple(config.kwargs.items()), config.num_warps or 4,
+                   config.num_stages if config.num_stages is not None else 3,
+                   getattr(config, "num_ctas", 1) or 1, getattr(config, "maxnreg", None))
+
+    def label(self) -> str:
+        parts = [f"{name}={value}" for name, value in (*self.constexprs, *self.options().items())]
+        return " ".join(parts)
+
+    def options(self) -> dict:
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.num_ctas != 1:
+            options["num_ctas"] = self.num_ctas
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+    def to_json(self) -> dict:
+        """The config as the ``--json`` document lists it."""
+        constexprs = {name: incidents.describe_arg(value) for name, value in self.constexprs}
+        return {"config": self.label(), "constexprs": constexprs, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+
+@dataclass
+class CheckedKernel:
+    """A kernel as the check sees it: its JIT function, configs, argument types and specializations."""
+
+    name: str  # how the user can name it: "module:attr"
+    jit: Any
+    variants: list[Variant]
+    types: dict[str, str]  # non-constexpr parameter -> Triton type ("*fp16", "i32", "fp32")
+    constants: dict[str, Any]  # constexprs no config sets
+    unit_args: tuple[str, ...]  # integer arguments that are 1 in every launch
+    specializations: list[Specialization]
+    heuristics: list[dict] = field(default_factory=list)  # values of triton.heuristics layers
+    locator: tuple[str, str, str | None] | None = None  # (module, attribute, file) for worker processes
+
+    @property
+    def jit_name(self) -> str:
+        return introspect.kernel_name(self.jit)
