@@ -98,6 +98,19 @@ def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
     return None
 
 
+def unknown_layer(launched):
+    """The first layer of ``launched`` that :func:`resolve` does not understand (what stops a retry)."""
+    from triton.runtime.autotuner import Heuristics
+    from triton.runtime.jit import JITFunction
+
+    for layer in introspect.chain(launched):
+        if isinstance(layer, JITFunction):
+            return None
+        if not (layers.runs_as(layer, Heuristics) or layers.tuner_for(layer) or layers.is_entry(layer)):
+            return layer
+    return launched
+
+
 def with_config(launch: Launch, config) -> Launch:
     """``launch`` with ``config`` in force: through the tuner, or by keyword on a plain JIT function."""
     if launch.tuner is not None:

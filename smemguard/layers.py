@@ -17,13 +17,26 @@ work before the failing one. Two kinds are understood:
 
 Triton's ``Heuristics`` is handled by recovery itself. Libraries' layers are described by
 their patch module (:mod:`smemguard.patches.flaggems`), registered when the library is imported.
+
+A subclass of Triton's ``Autotuner`` that overrides ``run`` (fla's ``CachedAutotuner``, which
+loads a config tuned elsewhere into ``cache`` and then calls ``Autotuner.run``) is read like
+Triton's own autotuner when its code shows that it keeps the contract
+(:func:`keeps_autotuner_contract`): whatever it does first, it launches nothing itself and
+ends by returning ``Autotuner.run``'s result, so one call is still one launch of the kernel.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import logging
+import textwrap
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,81 @@ def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
 def _is_triton_autotuner(layer) -> bool:
     from triton.runtime.autotuner import Autotuner
 
-    return runs_as(layer, Autotuner)
+    return isinstance(layer, Autotuner) and keeps_autotuner_contract(type(layer))
+
+
+#: Attribute calls that launch, compile or benchmark a kernel.
+_LAUNCHING_CALLS = frozenset({"run", "warmup", "_bench", "bench", "do_bench", "launch"})
+
+
+def _delegates_to_base_run(call: ast.AST) -> bool:
+    """``super().run(...)``, ``super(Cls, self).run(...)`` or ``Base.run(self, ...)``."""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "run"):
+        return False
+    owner = call.func.value
+    is_super = isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+    is_base = isinstance(owner, ast.Name) and bool(call.args) and isinstance(call.args[0], ast.Name) \
+        and call.args[0].id == "self"
+    return is_super or is_base
+
+
+def _launches(tree: ast.AST, allowed: ast.AST | None = None) -> bool:
+    """Whether ``tree`` may launch a kernel besides the call ``allowed``: ``kernel[grid](...)`` or
+    a call to one of :data:`_LAUNCHING_CALLS`."""
+    for node in ast.walk(tree):
+        if node is allowed or not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Subscript):
+            return True
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _LAUNCHING_CALLS:
+            return True
+    return False
+
+
+def _function_tree(function) -> ast.FunctionDef:
+    return ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+
+
+def _run_keeps_contract(cls) -> bool:
+    run = _function_tree(cls.__dict__["run"])
+    last = run.body[-1] if run.body else None
+    if not (isinstance(last, ast.Return) and _delegates_to_base_run(last.value)):
+        return False
+    if _launches(run, allowed=last.value):
+        return False
+    # The class's own methods that run calls (self.load_config(...)) must not launch either.
+    called = {node.func.attr for node in ast.walk(run) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == "self"}
+    own_methods = (member for name in called for klass in cls.__mro__ if name in klass.__dict__
+                   for member in (klass.__dict__[name],) if inspect.isfunction(member)
+                   and klass.__module__ != "triton.runtime.autotuner")
+    return not any(_launches(_function_tree(method)) for method in own_methods)
+
+
+@functools.lru_cache(maxsize=None)
+def keeps_autotuner_contract(cls) -> bool:
+    """Whether an ``Autotuner`` subclass still launches exactly what ``Autotuner.run`` launches.
+
+    True for ``Autotuner`` itself and for subclasses that leave ``run`` and ``_bench`` (which
+    recovery calls to time candidates) alone, or whose overriding ``run`` (checked in every class of the MRO
+    that defines one) ends with ``return super().run(...)`` and neither it nor the class's
+    own methods it calls launch, compile or benchmark anything. Read from the source once per
+    class; a class whose source cannot be read does not keep it (never retried).
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    try:
+        for klass in cls.__mro__:
+            if klass is Autotuner:
+                return True
+            if "_bench" in klass.__dict__:
+                return False
+            if "run" in klass.__dict__ and not _run_keeps_contract(klass):
+                return False
+    except (OSError, TypeError, SyntaxError, IndexError):
+        log.debug("smemguard: cannot read the source of %s", cls.__qualname__, exc_info=True)
+    return False
 
 
 def _triton_config_in_force(autotuner, key):
@@ -98,10 +185,12 @@ _entries: list[Entry] = []
 
 
 def register(kind: Tuner | Entry) -> None:
+    """Describe a library's layer; library tuners are asked before Triton's (a library tuner is an
+    ``Autotuner`` subclass that its own description reads better)."""
     with _lock:
         kinds = _tuners if isinstance(kind, Tuner) else _entries
         if kind not in kinds:
-            kinds.append(kind)
+            kinds.insert(0, kind)
 
 
 def unregister(kind: Tuner | Entry) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import decisions, incidents, introspect, ladder, registry, runtime
 from .ladder import Decision
-from .launch import Launch, check, replace_in_jit_cache, resolve, with_config
+from .launch import Launch, check, replace_in_jit_cache, resolve, unknown_layer, with_config
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,14 @@ def _decide(launch: Launch, failing, error, settings) -> Decision:
     return decision
 
 
+def _layer_name(launched) -> str:
+    try:
+        layer = unknown_layer(launched)
+        return type(layer if layer is not None else launched).__qualname__
+    except Exception:  # naming it is only for the record
+        return type(launched).__qualname__
+
+
 def handle(launched, grid, args, kwargs, error, settings):
     """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it."""
     started = time.perf_counter()
@@ -104,8 +112,9 @@ def handle(launched, grid, args, kwargs, error, settings):
         raise error
     if launch is None:
         decision = incidents.record_launch(None, launched, None, error, Decision(ladder.RERAISED, (), reason=(
-            f"{type(launched).__name__} is not a Triton JIT function, autotuner or heuristics: it may launch more "
-            "than one kernel, so it is not retried")), started, settings.log_path)
+            f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run launches "
+            "exactly what Autotuner.run does: it may launch more than one kernel, so it is not retried")), started,
+            settings.log_path)
         incidents.add_note(error, lambda: f"smemguard did not retry {introspect.kernel_name(launched)}: "
                            f"{decision.reason}" + (f"; incident record: {decision.record}" if decision.record else ""))
         raise error

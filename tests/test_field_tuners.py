@@ -1,0 +1,133 @@
+"""Tuners as the field writes them: Autotuner subclasses (fla's CachedAutotuner), alone or under
+triton.heuristics, recovered like Triton's own when their code keeps Autotuner's contract."""
+
+import json
+
+import pytest
+import torch
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.errors import OutOfResources
+
+from smemguard import layers
+from smemguard.testing import fake_gpu
+
+from conftest import records
+from kernels import config, matmul_args, matmul_kernel, tiled_grid
+
+
+class LoadsThenTunes(Autotuner):
+    """The shape of fla's CachedAutotuner: a choice filed elsewhere goes into ``cache``, then Autotuner.run."""
+
+    choice = None
+
+    def run(self, *args, **kwargs):
+        self.load_choice(args)
+        return super().run(*args, **kwargs)
+
+    def load_choice(self, args):
+        if self.choice is not None:
+            self.cache[tuple(args[3:6]) + ("torch.float16",) * 3] = self.choice
+
+
+class LaunchesFirst(Autotuner):
+    """Launches a kernel of its own before tuning: a retry could run that one twice."""
+
+    def run(self, *args, **kwargs):
+        self.warm(args)
+        return super().run(*args, **kwargs)
+
+    def warm(self, args):
+        matmul_kernel[(1, 1)](*args, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+
+
+class DoesNotReturnTheLaunch(Autotuner):
+    def run(self, *args, **kwargs):
+        super().run(*args, **kwargs)
+
+
+def tuner(cls, configs):
+    return cls(matmul_kernel, matmul_kernel.arg_names, configs, ["M", "N", "K"], None, None)
+
+
+def operands(n=128):
+    return (torch.randn(n, n, dtype=torch.float16), torch.randn(n, n, dtype=torch.float16),
+            torch.empty(n, n, dtype=torch.float16))
+
+
+def test_the_contract_is_read_from_the_subclass_code():
+    assert layers.keeps_autotuner_contract(Autotuner)
+    assert layers.keeps_autotuner_contract(LoadsThenTunes)
+    assert not layers.keeps_autotuner_contract(LaunchesFirst), "its own method launches a kernel"
+    assert not layers.keeps_autotuner_contract(DoesNotReturnTheLaunch)
+    assert not layers.keeps_autotuner_contract(type("OwnBench", (Autotuner,), {"_bench": lambda self: None}))
+
+
+def test_a_subclass_that_files_a_choice_made_elsewhere_is_recovered(install_guard, incident_log, triton_cache):
+    configs = [config(128, 128, 64, 5), config(64, 64, 64, 3)]
+    tuned = tuner(LoadsThenTunes, configs)
+    tuned.choice = configs[0]  # 131072 B on sm_89 (L4: 101376): chosen on a bigger GPU
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(128, 128)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    # The stand-in GPU times every candidate alike: the tie keeps the tuned tile with fewer stages.
+    assert record["launched_as"] == "LoadsThenTunes" and record["action"] == "stages_reduced"
+    assert "BLOCK_M=128 BLOCK_N=128 BLOCK_K=64 num_warps=4 num_stages=4" == record["final"]
+    assert gpu.launches and gpu.launches[-1].shared <= 101376
+
+
+def test_a_subclass_that_may_launch_by_itself_is_never_retried(install_guard, incident_log, triton_cache):
+    tuned = tuner(LaunchesFirst, [config(128, 128, 64, 5), config(64, 64, 64, 3)])
+    tuned.cache[(128, 128, 128, "torch.float16", "torch.float16", "torch.float16")] = tuned.configs[0]
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu("L4", cache_dir=triton_cache), pytest.raises(OutOfResources):
+        tuned[tiled_grid(128, 128)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    assert record["action"] == "reraised" and record["reason"].startswith("LaunchesFirst is not")
+
+
+FLA_KERNEL = "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"
+
+
+@pytest.fixture
+def fla_choice_from_a_bigger_gpu(tmp_path, monkeypatch):
+    """fla-core's real GDN backward kernel with a config in FLA's config directory (FLA_CACHE_MODE=default)
+    that was tuned where 165 KB of shared memory per block were available."""
+    cache = pytest.importorskip("fla.ops.utils.cache", reason="fla-core is not installed (CI stage 'fla' installs it)")
+    from fla.ops.common import chunk_delta_h
+
+    (tmp_path / f"{FLA_KERNEL}.json").write_text(json.dumps({
+        "kernel_name": FLA_KERNEL,
+        "default_config": {"kwargs": {"BV": 64}, "num_warps": 4, "num_stages": 4, "num_ctas": 1}}))
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.DEFAULT)
+    kernel = getattr(chunk_delta_h, FLA_KERNEL)
+    monkeypatch.setattr(kernel.fn, "cache", {})
+    shape = dict(B=1, T=64, H=1, K=64, V=64)
+    tensors = [torch.randn(shape["B"], shape["T"], shape["H"], shape["K"], dtype=torch.bfloat16) for _ in range(5)]
+    gate = torch.randn(shape["B"], shape["T"], shape["H"], dtype=torch.float32)
+    return lambda: chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(*tensors, g=gate, scale=0.125), kernel
+
+
+@pytest.mark.fla
+def test_fla_gdn_backward_under_heuristics_with_a_cached_autotuner_is_recovered(
+        install_guard, incident_log, triton_cache, fla_choice_from_a_bigger_gpu):
+    run, kernel = fla_choice_from_a_bigger_gpu
+    assert type(kernel).__name__ == "Heuristics" and type(kernel.fn).__name__ == "CachedAutotuner"
+    install_guard(mode="observe")
+    with fake_gpu(90, max_shared=65536, cache_dir=triton_cache), pytest.raises(OutOfResources):
+        run()  # what fla does on a T4-sized limit without smemguard
+    import smemguard
+
+    smemguard.uninstall()
+    install_guard()
+    with fake_gpu(90, max_shared=65536, cache_dir=triton_cache) as gpu:
+        run()
+        run()  # decided once: the second call pays no incident
+    observed, recovered = records(incident_log)
+    assert observed["action"] == "observed" and observed["required"] > 65536
+    assert recovered["launched_as"] == "Heuristics" and recovered["action"] == "stages_reduced"
+    assert "BV=64" in recovered["final"] and "num_stages=4" not in recovered["final"], "same tile, fewer stages"
+    assert gpu.launches and all(launch.shared <= 65536 for launch in gpu.launches)
