@@ -63,12 +63,12 @@ def write(record: dict, path: Path | None) -> str | None:
     return f"{path}#{record['id']}"
 
 
-def warn_once(case: tuple, message: str, *args) -> None:
+def warn_once(case: tuple, message: str, *args, exc_info: bool = False) -> None:
     """Log ``message`` at WARNING the first time ``case`` (kernel, device, config) is seen, else at DEBUG."""
     with _write_lock:
         first = case not in _warned
         _warned.add(case)
-    log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+    log.log(logging.WARNING if first else logging.DEBUG, message, *args, exc_info=exc_info)
 
 
 def host() -> str:
@@ -173,6 +173,7 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         "final": decision.final,
         "reason": decision.reason or None,
         "attempts": [vars(a) for a in decision.attempts],
+        "internal_errors": sum(attempt.internal_error for attempt in decision.attempts),
         "remembered": decision.remembered,
         "timings_ms": decision.timings,
         "recovery_ms": elapsed_ms,

@@ -9,10 +9,22 @@ gives a :class:`Launch`. Everything here compiles at most; nothing launches exce
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import introspect, layers, runtime
+
+#: Exceptions that mean smemguard built a candidate wrongly (a bad argument binding, a missing
+#: attribute), not that the candidate does not compile: counted as ``internal_error``.
+INTERNAL_ERRORS = (TypeError, KeyError, AttributeError, NameError, IndexError)
+
+
+class OptionIsAParameter(Exception):
+    """A launch option that shares its name with a parameter the kernel itself uses."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,7 @@ class Attempt:
     limit: int | None
     fits: bool
     error: str | None = None
+    internal_error: bool = False  # the error was smemguard's own (see INTERNAL_ERRORS), not the compiler's
 
     def summary(self) -> str:
         if self.error:
@@ -63,7 +76,23 @@ class Launch:
             self.config.pre_hook({**self.named_args(), **self.config.all_kwargs()})
 
     def compile(self, **options):
-        return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
+        """Compile (never launch) with other launch ``options``.
+
+        Some kernels take a launch option's name as a parameter of their own (Liger-Kernel passes
+        ``num_stages`` and ``num_warps`` positionally); Triton then binds a keyword of that name to
+        the parameter as well as reading it as the option. Changing such an option is allowed only
+        when the kernel leaves the parameter unused or passes it on as that same option
+        (``tl.range(..., num_stages=num_stages)``), so that the result cannot change.
+        """
+        shared_names = [name for name in options if name in self.jit.arg_names]
+        if not shared_names:
+            return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
+        used = [name for name in shared_names if not _parameter_only_steers(self.jit, name)]
+        if used:
+            raise OptionIsAParameter(f"{', '.join(used)} is also a parameter the kernel uses: changing the launch "
+                                     "option would change it too")
+        non_parameters = {k: v for k, v in self.jit_kwargs.items() if k not in self.jit.arg_names}
+        return self.jit.run(grid=self.grid, warmup=True, **{**self.named_args(), **non_parameters, **options})
 
     def relaunch(self):
         self.run_config_pre_hook()
@@ -111,6 +140,20 @@ def unknown_layer(launched):
     return launched
 
 
+@functools.lru_cache(maxsize=None)
+def _parameter_only_steers(jit, name: str) -> bool:
+    """Whether the kernel's parameter ``name`` is unused in its body, or only passed on as the
+    keyword of the same name (``num_stages=num_stages``)."""
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(jit.fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+    allowed = {id(keyword.value) for node in ast.walk(function) if isinstance(node, ast.Call)
+               for keyword in node.keywords if keyword.arg == name and isinstance(keyword.value, ast.Name)}
+    return not any(isinstance(node, ast.Name) and node.id == name and id(node) not in allowed
+                   for statement in function.body for node in ast.walk(statement))
+
+
 def with_config(launch: Launch, config) -> Launch:
     """``launch`` with ``config`` in force: through the tuner, or by keyword on a plain JIT function."""
     if launch.tuner is not None:
@@ -147,11 +190,17 @@ def describe(launch: Launch, kernel=None) -> str:
 
 
 def try_compile(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
-    """Compile ``launch`` with ``options`` and check it: (kernel or None, what was found)."""
+    """Compile ``launch`` with ``options`` and check it: (kernel or None, what was found).
+
+    A candidate that does not compile (CompilationError, PTXASError, an option the kernel uses
+    itself) is not a fit; one that smemguard could not even build is an internal error, named
+    as such in the attempt. Neither stops the other candidates.
+    """
     try:
         kernel = launch.compile(**options)
-    except Exception as error:  # this candidate does not compile (CompilationError, PTXASError): not a fit
-        return None, Attempt(label, None, None, False, introspect.error_summary(error, width=200))
+    except Exception as error:
+        return None, Attempt(label, None, None, False, introspect.error_summary(error, width=200),
+                             internal_error=isinstance(error, INTERNAL_ERRORS))
     fits, required, limit = check(kernel)
     return kernel, Attempt(describe(launch, kernel), required, limit, fits)
 

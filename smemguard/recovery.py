@@ -107,8 +107,9 @@ def handle(launched, grid, args, kwargs, error, settings):
     try:
         launch = resolve(launched, grid, args, kwargs)
         failing = launch.compile() if launch is not None else None
-    except Exception:
-        log.debug("smemguard: could not resolve the failed launch; re-raising", exc_info=True)
+    except Exception:  # smemguard's bug: the user gets their own error, and one warning says whose bug it is
+        incidents.warn_once(("resolve", _layer_name(launched)), "smemguard: internal error while reading the failed "
+                            "launch of %s; re-raising the original error", _layer_name(launched), exc_info=True)
         raise error
     if launch is None:
         decision = incidents.record_launch(None, launched, None, error, Decision(ladder.RERAISED, (), reason=(

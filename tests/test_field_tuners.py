@@ -131,3 +131,82 @@ def test_fla_gdn_backward_under_heuristics_with_a_cached_autotuner_is_recovered(
     assert recovered["launched_as"] == "Heuristics" and recovered["action"] == "stages_reduced"
     assert "BV=64" in recovered["final"] and "num_stages=4" not in recovered["final"], "same tile, fewer stages"
     assert gpu.launches and all(launch.shared <= 65536 for launch in gpu.launches)
+
+
+# -- Kernels whose own parameters are named like launch options (Liger-Kernel's) -------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def _matmul_taking_its_options(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               num_stages: tl.constexpr, num_warps: tl.constexpr):
+    """Liger-Kernel's convention: the launch options are parameters too, unused in the body."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak)
+        b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn)
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(tl.float16))
+
+
+def _matmul_computing_with_its_stages(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                                      stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      BLOCK_K: tl.constexpr, num_stages: tl.constexpr, num_warps: tl.constexpr):
+    """The same, but the result depends on the parameter named num_stages."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak)
+        b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn)
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, (acc * num_stages).to(tl.float16))
+
+
+@pytest.mark.parametrize("body, action, final_stages", [
+    (_matmul_taking_its_options, "stages_reduced", 2), (_matmul_computing_with_its_stages, "reraised", None)])
+def test_kernels_taking_num_stages_and_num_warps_positionally(install_guard, incident_log, triton_cache, body,
+                                                              action, final_stages):
+    """Passed positionally, they are the kernel's parameters and Triton launches with its default
+    options (3 stages: 65536 B for 128x128x64 on sm_89). Fewer stages are tried unless the kernel
+    computes with the parameter: changing the option would change it too."""
+    kernel = triton.jit(body)
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu("L4", max_shared=60000, cache_dir=triton_cache) as gpu:
+        launch = lambda: kernel[(1, 1)](*matmul_args(a, b, c), 128, 128, 64, 5, 4)  # noqa: E731
+        if final_stages is None:
+            with pytest.raises(OutOfResources):
+                launch()
+        else:
+            assert launch().metadata.num_stages == final_stages == gpu.launches[-1].num_stages
+    (record,) = records(incident_log)
+    assert record["action"] == action and record["internal_errors"] == 0
+    if final_stages is None:
+        assert all("is also a parameter the kernel uses" in attempt["error"] for attempt in record["attempts"][1:])
+
+
+def test_a_candidate_smemguard_cannot_build_is_counted_and_the_next_one_still_recovers(
+        install_guard, incident_log, triton_cache):
+    import smemguard
+
+    a, b, c = operands()
+    broken = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NO_SUCH_PARAMETER": 1}, num_stages=3)
+    smemguard.register_alternatives(matmul_kernel, [broken, config(32, 32, 32, 1)])
+    install_guard()
+    try:
+        with fake_gpu("L4", max_shared=16384, cache_dir=triton_cache):  # 128x128x64 needs 32768 B at any stage count
+            matmul_kernel[tiled_grid(128, 128)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                num_stages=1)
+    finally:
+        smemguard.unregister_alternatives(matmul_kernel)
+    (record,) = records(incident_log)
+    assert record["action"] == "config_changed" and "BLOCK_M=32" in record["final"]
+    assert record["internal_errors"] == 1
+    assert [a["internal_error"] for a in record["attempts"]][-2:] == [True, False], "built wrongly, then the next fits"
