@@ -114,7 +114,8 @@ def _demo(args) -> int:
     print(f"\nincident record ({incidents}):")
     for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
         print(f"  {field:12} {record[field]}")
-    print(f"  {'attempts':12} " + "; ".join(f"{a['config'].split()[-1]}: {a['required']} B" for a in record["attempts"]))
+    print(f"  {'attempts':12} " + "; ".join(f"{a.get('changes') or a['config'].split()[-1]}: {a['required']} B"
+                                            for a in record["attempts"]))
     return 0
 
 

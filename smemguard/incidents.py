@@ -172,7 +172,7 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         "action": decision.action,
         "final": decision.final,
         "reason": decision.reason or None,
-        "attempts": [vars(a) for a in decision.attempts],
+        "attempts": attempt_records(decision.attempts),
         "internal_errors": sum(attempt.internal_error for attempt in decision.attempts),
         "remembered": decision.remembered,
         "timings_ms": decision.timings,
@@ -194,18 +194,30 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
             "specialization": specialization(launch.jit, named),
             "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
         })
-    where = emit(record, log_path, (kernel, device, record.get("config")),
+    failing = record.get("config") or ""
+    where = emit(record, log_path, (kernel, device, failing),
                  "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms",
-                 kernel, error.name, error.required, error.limit, record.get("config") or "?",
-                 action_text(decision), max(len(decision.attempts) - 1, 0), elapsed_ms)
+                 kernel, error.name, error.required, error.limit, failing or "?",
+                 action_text(decision, failing), max(len(decision.attempts) - 1, 0), elapsed_ms)
     return dataclasses.replace(decision, record=where)
 
 
-def action_text(decision) -> str:
+def attempt_records(attempts) -> list[dict]:
+    """The attempts as records keep them: the failing configuration in full, then for each
+    candidate only what it changed (``changes``), so a kernel with 40 constexprs stays readable."""
+    if not attempts:
+        return []
+    failing = attempts[0].config
+    return [vars(attempts[0])] + [{**{k: v for k, v in vars(a).items() if k != "config"},
+                                   "changes": introspect.changes(failing, a.config)} for a in attempts[1:]]
+
+
+def action_text(decision, failing_config: str = "") -> str:
+    final = introspect.changes(failing_config, decision.final or "") or decision.final
     return ("remembered: " if decision.remembered else "") + {
-        ladder.STAGES_REDUCED: f"recovered with {decision.final}",
-        ladder.WARPS_REDUCED: f"recovered with {decision.final}",
-        ladder.CONFIG_CHANGED: f"switched to config {decision.final}",
+        ladder.STAGES_REDUCED: f"recovered with {final}",
+        ladder.WARPS_REDUCED: f"recovered with {final}",
+        ladder.CONFIG_CHANGED: f"switched to config {final}",
         ladder.FALLBACK: f"ran {decision.final}",
         ladder.OBSERVED: "observed only (SMEMGUARD=observe)",
         ladder.RERAISED: "re-raised: " + decision.reason,
@@ -222,7 +234,9 @@ def explain(launch, decision, error) -> str:
         f"smemguard could not recover {introspect.kernel_name(launch.jit)} ({code.co_filename}:{code.co_firstlineno}):",
         f"  {error.name}: required {error.required}, limit {error.limit}",
         f"  tensors: {tensors or 'none'}",
-        "  tried: " + ("; ".join(a.summary() for a in decision.attempts) or "nothing"),
+        f"  failing: {decision.attempts[0].summary() if decision.attempts else 'unknown'}",
+        "  tried: " + ("; ".join(a.summary(introspect.changes(decision.attempts[0].config, a.config))
+                                 for a in decision.attempts[1:]) or "nothing"),
         f"  {decision.reason}",
     ]
     if decision.remembered:

@@ -65,6 +65,22 @@ def config_fields(config) -> dict:
             "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
 
 
+def config_text(config) -> str:
+    """``BLOCK_M=64 BLOCK_N=64 num_warps=4 num_stages=3``: a ``triton.Config`` as records write configs."""
+    fields = config_fields(config)
+    options = [f"{name}={fields[name]}" for name in CONFIG_OPTIONS if name in ("num_warps", "num_stages")
+               or fields[name] not in (None, 1)]
+    return " ".join([*(f"{name}={value}" for name, value in fields["kwargs"].items()), *options])
+
+
+def changes(base: str, other: str) -> str:
+    """The ``name=value`` settings of ``other`` that differ from ``base`` (both as :func:`config_text`
+    writes them): what one candidate changed against the failing launch."""
+    before = dict(token.split("=", 1) for token in base.split() if "=" in token)
+    return " ".join(token for token in other.split()
+                    if "=" not in token or before.get(token.split("=", 1)[0]) != token.split("=", 1)[1])
+
+
 def error_summary(error: BaseException, width: int = 300) -> str:
     """``"CompilationError: <reason>"``: the type and the one line that says why.
 

@@ -161,7 +161,7 @@ def decide(launch: Launch, failing, error) -> Decision:
         candidate = with_config(launch, config)
         # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
         candidate.run_config_pre_hook()
-        kernel, attempt = try_compile(candidate, str(config))
+        kernel, attempt = try_compile(candidate, introspect.config_text(config))
         attempts.append(attempt)
         if attempt.fits:
             fitted_bases.append(base)

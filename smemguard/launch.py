@@ -38,11 +38,13 @@ class Attempt:
     error: str | None = None
     internal_error: bool = False  # the error was smemguard's own (see INTERNAL_ERRORS), not the compiler's
 
-    def summary(self) -> str:
+    def summary(self, label: str | None = None) -> str:
+        """``num_stages=3: 98304 B (fits)``; ``label`` replaces the full configuration."""
+        label = label or self.config
         if self.error:
-            return f"{self.config}: {self.error}"
+            return f"{label}: {self.error}"
         verdict = "fits" if self.fits else "too big"
-        return f"{self.config}: {self.required} B ({verdict})"
+        return f"{label}: {self.required} B ({verdict})"
 
 
 @dataclass

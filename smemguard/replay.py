@@ -180,7 +180,8 @@ def _show_attempts(incident: dict | None, say) -> None:
         return
     for attempt in incident["attempts"][1:]:
         verdict = attempt["error"] or ("fits" if attempt["fits"] else "too big")
-        say(f"    tried {attempt['config']}: {attempt['required']} B, limit {attempt['limit']} B: {verdict}")
+        say(f"    tried {attempt.get('changes') or attempt.get('config')}: {attempt['required']} B, "
+            f"limit {attempt['limit']} B: {verdict}")
     say(f"  smemguard: {incident['action']}" + (f" -> {incident['final']}" if incident.get("final") else ""))
 
 

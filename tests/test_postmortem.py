@@ -85,7 +85,7 @@ def test_replay_on_cpu_reproduces_the_recorded_bytes(tmp_path, real_record, caps
     out = capsys.readouterr().out
     assert "no GPU: compiling for sm_89 on a stand-in device with a 40000 B limit" in out
     assert "reproduced: OutOfResources shared memory, required 49152 B, limit 40000 B (same as recorded)" in out
-    assert "tried BLOCK_M=64 BLOCK_N=64 BLOCK_K=64 num_warps=4 num_stages=3: 32768 B, limit 40000 B: fits" in out
+    assert "tried num_stages=3: 32768 B, limit 40000 B: fits" in out
     assert "smemguard: stages_reduced" in out
 
 
