@@ -219,6 +219,8 @@ def jit_keys_of(launch: Launch, failing):
 
 def replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
     """Put ``replacement`` under every key whose kernel is a compile of ``failing``."""
-    kernel_cache = launch.jit.device_caches[runtime.current_device()][0]
+    device = runtime.current_device()
+    kernel_cache = launch.jit.device_caches[device][0]
     for key in list(jit_keys_of(launch, failing)):
         kernel_cache[key] = replacement
+        runtime.note_replacement(launch.jit, device, key, replacement)

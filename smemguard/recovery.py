@@ -52,10 +52,11 @@ def _case_for(launch: Launch, failing) -> _Case:
 
 
 def forget() -> None:
-    """Drop every decision taken in this process (``uninstall`` does); kernels already replaced in
-    Triton's JIT cache stay replaced, since they compute the same results."""
+    """Drop every decision taken in this process and every kernel smemguard put into Triton's JIT
+    caches (``uninstall`` does): the next launch compiles what its caller asked for."""
     with _cases_guard:
         _cases.clear()
+    runtime.drop_replacements()
 
 
 def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
@@ -112,7 +113,8 @@ def handle(launched, grid, args, kwargs, error, settings):
                             "launch of %s; re-raising the original error", _layer_name(launched), exc_info=True)
         raise error
     if launch is None:
-        decision = incidents.record_launch(None, launched, None, error, Decision(ladder.RERAISED, (), reason=(
+        action = ladder.OBSERVED if settings.observe_only else ladder.RERAISED
+        decision = incidents.record_launch(None, launched, None, error, Decision(action, (), reason=(
             f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run launches "
             "exactly what Autotuner.run does: it may launch more than one kernel, so it is not retried")), started,
             settings.log_path)

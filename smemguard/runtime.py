@@ -90,6 +90,34 @@ def effective_limit(device: int) -> int:
     return compiler.max_shared_mem(device)
 
 
+# -- kernels smemguard put into Triton's JIT caches ------------------------------------------
+
+_replacements: list[tuple[weakref.ref, int, str, object]] = []  # (JIT function, device, key, kernel)
+_replacements_lock = threading.Lock()
+
+
+def note_replacement(jit, device: int, key: str, kernel) -> None:
+    """``kernel`` sits in ``jit``'s JIT cache under ``key`` because of smemguard (fewer stages, a
+    remembered decision), not because the caller asked for it."""
+    with _replacements_lock:
+        _replacements.append((weakref.ref(jit), device, key, kernel))
+
+
+def drop_replacements() -> int:
+    """Take every kernel noted by :func:`note_replacement` out of the JIT caches where it still
+    sits; the next launch of that variant compiles what the caller asked for. Returns how many."""
+    with _replacements_lock:
+        noted, _replacements[:] = list(_replacements), []
+    dropped = 0
+    for jit_ref, device, key, kernel in noted:
+        jit = jit_ref()
+        kernel_cache = jit.device_caches.get(device, ({},))[0] if jit is not None else {}
+        if kernel_cache.get(key) is kernel:
+            del kernel_cache[key]
+            dropped += 1
+    return dropped
+
+
 # -- autotuner timings ----------------------------------------------------------------------
 
 

@@ -154,3 +154,24 @@ def test_uninstall_before_triton_import_cancels_the_pending_install():
         print(smemguard.is_installed(), getattr(KernelInterface.__getitem__, "__smemguard__", False))
     """)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_uninstall_takes_the_replacement_kernels_out_of_tritons_jit_cache(triton_cache):
+    """After uninstall() the launch behaves as if smemguard had never been there: it raises again."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from kernels import matmul_args, matmul_kernel
+    from smemguard.testing import fake_gpu
+
+    a, b, c = (torch.randn(128, 128, dtype=torch.float16) for _ in range(3))
+    launch = lambda: matmul_kernel[(2, 2)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,  # noqa: E731
+                                           num_stages=4)
+    with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
+        assert smemguard.install(Settings(cache_dir=None))
+        try:
+            assert launch().metadata.num_stages == 3, "recovered: the replacement is in Triton's JIT cache"
+        finally:
+            smemguard.uninstall()
+        with pytest.raises(OutOfResources):
+            launch()

@@ -48,6 +48,7 @@ def _arguments(key, signature, device, constexprs, options, attrs, warmup):
 
 
 def _compile_remembered(wrapped, instance, args, kwargs):
+    override = None
     if _remembered_options is not None and not runtime.benchmarking():
         try:
             key, device, options = _arguments(*args, **kwargs)
@@ -60,7 +61,11 @@ def _compile_remembered(wrapped, instance, args, kwargs):
                     args = (*args[:4], replaced, *args[5:])
         except Exception:  # a lookup problem must never stop a compile
             log.debug("smemguard: remembered options not applied", exc_info=True)
-    return wrapped(*args, **kwargs)
+            override = None
+    kernel = wrapped(*args, **kwargs)
+    if override and kernel is not None:
+        runtime.note_replacement(instance, device, key, kernel)  # uninstall() takes it out again
+    return kernel
 
 
 def patch(context) -> None:
