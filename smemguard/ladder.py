@@ -57,23 +57,81 @@ class Decision:
     options: dict | None = None  # the option change that made it ({"num_stages": 3})
     remembered: bool = False  # taken from the decision cache rather than by trying candidates
     timings: dict | None = None  # median ms of each fitting candidate timed before choosing
+    skipped: tuple[str, ...] = ()  # candidates not compiled: measurements showed they cannot fit
 
 
-def _option_ladder(failing, resource: str):
-    """Option-only changes, most conservative first: they keep the grid and the tiles."""
-    if resource == "threads":
-        warps = failing.metadata.num_warps // 2
-        while warps >= 1:
-            yield "num_warps", warps
-            warps //= 2
-    else:
-        for stages in range(failing.metadata.num_stages - 1, 0, -1):
-            yield "num_stages", stages
+def _is_tile(name: str, value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and ("BLOCK" in name.upper() or "TILE" in name.upper())
 
 
 def _tile_size(config) -> int:
-    blocks = [v for k, v in config.kwargs.items() if isinstance(v, int) and ("BLOCK" in k.upper() or "TILE" in k.upper())]
+    blocks = [v for k, v in config.kwargs.items() if _is_tile(k, v)]
     return math.prod(blocks) if blocks else 0
+
+
+@dataclass
+class _Measured:
+    """What the compiles of one incident showed, so that candidates that cannot fit are not compiled."""
+
+    limit: int
+    overflowing: list = dataclasses.field(default_factory=list)  # (constexprs, num_stages) measured too big
+    skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
+    stages_inert: str = ""  # why fewer stages were given up, when they did not lower the bytes
+
+    def dominated(self, constexprs: dict, stages: int) -> tuple | None:
+        """A measured overflow this candidate cannot need less than: every tile at least as large,
+        as many stages or more, every other constexpr the same (then it needs at least as much
+        shared memory: the buffers only grow with tiles and stages)."""
+        for measured, measured_stages in self.overflowing:
+            if stages < measured_stages or measured.keys() != constexprs.keys():
+                continue
+            if all((value >= measured[name]) if _is_tile(name, value) and _is_tile(name, measured[name])
+                   else value == measured[name] for name, value in constexprs.items()):
+                return measured, measured_stages
+        return None
+
+
+def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget: int):
+    """Fewer stages (fewer warps for "threads"), most conservative first: same grid, same tiles.
+
+    Yields (option, value, kernel, attempt) for each compile. Stage counts are not all compiled:
+    the bytes two measured counts differ by give the bytes of one stage, and the ladder goes
+    straight to the largest count that this predicts to fit, then checks it by compiling. When
+    fewer stages did not lower the bytes at all, the ladder stops: no smaller count will fit.
+    """
+    if error.name == "threads":
+        warps = failing.metadata.num_warps // 2
+        while warps >= 1 and budget > 0:
+            budget -= 1
+            yield ("num_warps", warps, *try_compile(launch, f"num_warps={warps}", num_warps=warps))
+            warps //= 2
+        return
+    last_stages, last_bytes = failing.metadata.num_stages, error.required
+    stages = last_stages - 1
+    while stages >= 1 and budget > 0:
+        budget -= 1
+        kernel, attempt = try_compile(launch, f"num_stages={stages}", num_stages=stages)
+        yield "num_stages", stages, kernel, attempt
+        if attempt.fits or attempt.required is None:
+            if attempt.fits:
+                return
+            stages -= 1
+            continue
+        measured.overflowing.append((_constexprs(launch), stages))
+        per_stage = (last_bytes - attempt.required) / (last_stages - stages)
+        if per_stage <= 0:
+            measured.stages_inert = (f"fewer stages did not lower the shared memory ({last_bytes} B at "
+                                     f"{last_stages} stages, {attempt.required} B at {stages})")
+            return
+        last_stages, last_bytes = stages, attempt.required
+        predicted = min(stages - 1, stages - math.ceil((attempt.required - measured.limit) / per_stage))
+        # One stage is always tried: without pipelining a kernel may need far less than the line predicts.
+        stages = max(predicted, 1) if stages > 1 else 0
+
+
+def _constexprs(launch: Launch) -> dict:
+    named = launch.named_args()
+    return {name: named.get(name) for name in sorted(launch.constexpr_names())}
 
 
 def _candidate_configs(launch: Launch):
@@ -137,17 +195,14 @@ def decide(launch: Launch, failing, error) -> Decision:
     attempts = [Attempt(describe(launch, failing), error.required, error.limit, False)]
     budget = MAX_CANDIDATES
     fitting: list[Decision] = []  # candidates that fit, most preferred first
+    measured = _Measured(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
 
-    for option, value in _option_ladder(failing, error.name):
-        if budget == 0:
-            break
+    for option, value, kernel, attempt in _option_attempts(launch, failing, error, measured, budget):
         budget -= 1
-        kernel, attempt = try_compile(launch, f"{option}={value}", **{option: value})
         attempts.append(attempt)
         if attempt.fits:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
             fitting.append(Decision(action, (), final=attempt.config, replacement=kernel, options={option: value}))
-            break
 
     racing = _can_race(launch)
     wanted = RACE if racing else 1
@@ -157,8 +212,13 @@ def decide(launch: Launch, failing, error) -> Decision:
             break
         if any(base is fitted for fitted in fitted_bases):
             continue
-        budget -= 1
         candidate = with_config(launch, config)
+        constexprs = _constexprs(candidate)
+        dominated = measured.dominated(constexprs, config.num_stages)
+        if dominated is not None:
+            measured.skipped.append(f"{introspect.config_text(config)}: at least as big as a config measured too big")
+            continue
+        budget -= 1
         # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
         candidate.run_config_pre_hook()
         kernel, attempt = try_compile(candidate, introspect.config_text(config))
@@ -166,18 +226,24 @@ def decide(launch: Launch, failing, error) -> Decision:
         if attempt.fits:
             fitted_bases.append(base)
             fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
+        elif attempt.required is not None:
+            measured.overflowing.append((constexprs, config.num_stages))
 
+    skipped = tuple(measured.skipped)
     if fitting:
         chosen, timings = _fastest(launch, fitting) if racing and len(fitting) > 1 else (fitting[0], None)
         if chosen.action == CONFIG_CHANGED:
             adopt(launch, chosen.config)
-        return dataclasses.replace(chosen, attempts=tuple(attempts), timings=timings)
+        return dataclasses.replace(chosen, attempts=tuple(attempts), timings=timings, skipped=skipped)
 
     fallback = registry.fallback_for(launch.jit)
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
-                        final=f"fallback {introspect.callable_name(fallback)}")
-    return Decision(RERAISED, tuple(attempts), reason=_why_nothing_fits(launch, budget))
+                        final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped)
+    reason = _why_nothing_fits(launch, budget)
+    if measured.stages_inert:
+        reason = f"{measured.stages_inert}; {reason}"
+    return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped)
 
 
 def _capturing() -> bool:

@@ -13,6 +13,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ class Attempt:
     fits: bool
     error: str | None = None
     internal_error: bool = False  # the error was smemguard's own (see INTERNAL_ERRORS), not the compiler's
+    compile_ms: float | None = None  # how long compiling and checking it took (None: not compiled here)
 
     def summary(self, label: str | None = None) -> str:
         """``num_stages=3: 98304 B (fits)``; ``label`` replaces the full configuration."""
@@ -198,13 +200,18 @@ def try_compile(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
     itself) is not a fit; one that smemguard could not even build is an internal error, named
     as such in the attempt. Neither stops the other candidates.
     """
+    started = time.perf_counter()
     try:
         kernel = launch.compile(**options)
     except Exception as error:
         return None, Attempt(label, None, None, False, introspect.error_summary(error, width=200),
-                             internal_error=isinstance(error, INTERNAL_ERRORS))
+                             internal_error=isinstance(error, INTERNAL_ERRORS), compile_ms=_ms_since(started))
     fits, required, limit = check(kernel)
-    return kernel, Attempt(describe(launch, kernel), required, limit, fits)
+    return kernel, Attempt(describe(launch, kernel), required, limit, fits, compile_ms=_ms_since(started))
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
 
 
 def jit_keys_of(launch: Launch, failing):

@@ -197,7 +197,7 @@ def test_a_candidate_smemguard_cannot_build_is_counted_and_the_next_one_still_re
     import smemguard
 
     a, b, c = operands()
-    broken = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NO_SUCH_PARAMETER": 1}, num_stages=3)
+    broken = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "NO_SUCH_PARAMETER": 1}, num_stages=1)
     smemguard.register_alternatives(matmul_kernel, [broken, config(32, 32, 32, 1)])
     install_guard()
     try:
