@@ -38,7 +38,7 @@ def _wanted(module, settings: Settings) -> bool:
 def _context(settings: Settings):
     from .patches import PatchContext
 
-    return PatchContext(settings, _on_out_of_resources, _remembered_options)
+    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup)
 
 
 def _patch_library(module, reason: str) -> None:
@@ -95,6 +95,15 @@ def _remembered_options(jit, key, device):
 
     settings = _active
     return recovery.remembered_options(jit, key, device, settings) if settings is not None else None
+
+
+def _on_warmup(kernel, grid, args, kwargs, compiled):
+    from . import recovery
+
+    settings = _active
+    if settings is None:
+        return compiled
+    return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, settings)
 
 
 def _on_out_of_resources(kernel, grid, args, kwargs, error):

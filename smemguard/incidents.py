@@ -139,7 +139,7 @@ def described_args(launch) -> dict:
 
 
 def record_launch(launch, launched, failing, error, decision, started: float, log_path: Path | None,
-                  described: dict | None = None):
+                  described: dict | None = None, phase: str = "launch"):
     """Write the incident record and the one-line warning; return the decision with its location.
 
     ``launch`` is None when the launch could not be resolved; ``described``: the arguments as
@@ -147,14 +147,14 @@ def record_launch(launch, launched, failing, error, decision, started: float, lo
     cannot be built or written leaves the decision as it is.
     """
     try:
-        return _record_launch(launch, launched, failing, error, decision, started, log_path, described)
+        return _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase)
     except Exception:
         log.warning("smemguard: could not write the incident record for %s", type(launched).__name__,
                     exc_info=True)
         return decision
 
 
-def _record_launch(launch, launched, failing, error, decision, started, log_path, described):
+def _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase):
     from .launch import describe
 
     elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
@@ -163,6 +163,7 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
     record: dict[str, Any] = {
         **new_record(kernel),
         "launched_as": type(launched).__name__,
+        "phase": phase,
         "triton": runtime.triton_version(),
         "device": runtime.device_description(device),
         "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},

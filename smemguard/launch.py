@@ -168,18 +168,27 @@ def with_config(launch: Launch, config) -> Launch:
     return Launch(launch.launched, launch.grid, (), kwargs, launch.jit, kwargs, config=config)
 
 
-def check(kernel) -> tuple[bool, int, int]:
-    """Whether Triton would load ``kernel`` now: its own ``_init_handles`` checks, no launch."""
+def overflow(kernel):
+    """The ``OutOfResources`` Triton would raise when loading ``kernel`` now (its own
+    ``_init_handles`` checks, no launch), or None when it fits."""
     from triton.runtime.errors import OutOfResources
 
     try:
         kernel._init_handles()
     except OutOfResources as error:
-        return False, error.required, error.limit
+        return error
     # A kernel that failed the "threads" check stays loaded, so _init_handles returns early on it.
     threads = kernel.metadata.num_warps * getattr(kernel.metadata, "warp_size", 32)
     if threads > kernel.n_max_threads:
-        return False, threads, kernel.n_max_threads
+        return OutOfResources(threads, kernel.n_max_threads, "threads")
+    return None
+
+
+def check(kernel) -> tuple[bool, int, int]:
+    """(fits, bytes or threads required, limit) for ``kernel`` on this device now."""
+    error = overflow(kernel)
+    if error is not None:
+        return False, error.required, error.limit
     return True, kernel.metadata.shared, runtime.effective_limit(runtime.current_device())
 
 

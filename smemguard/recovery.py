@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import decisions, incidents, introspect, ladder, registry, runtime
 from .ladder import Decision
-from .launch import Launch, check, replace_in_jit_cache, resolve, unknown_layer, with_config
+from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,36 @@ def _decide(launch: Launch, failing, error, settings) -> Decision:
         if cases:
             decision = decisions.remember(launch, decision, cases, store)
     return decision
+
+
+def handle_warmup(launched, grid, args, kwargs, compiled, settings):
+    """``launched.warmup(...)`` compiled ``compiled``: when it will not fit, decide its replacement now
+    and return that (it is in the JIT cache for the first launch). Never raises: a warm-up whose
+    kernel stays as it was is decided at its first launch instead."""
+    try:
+        if compiled is None or settings.observe_only:
+            return compiled
+        error = overflow(compiled)
+        if error is None:
+            return compiled
+        started = time.perf_counter()
+        launch = resolve(launched, grid, args, kwargs)
+        if launch is None or launch.tuner is not None:  # timing a tuner's candidates would launch them
+            return compiled
+        case = _case_for(launch, compiled)
+        with case.lock:
+            if case.decision is None:
+                described = incidents.described_args(launch)
+                decision = _decide(launch, compiled, error, settings)
+                case.decision = incidents.record_launch(launch, launched, compiled, error, decision, started,
+                                                        settings.log_path, described, phase="warmup")
+        if case.decision.action in (ladder.STAGES_REDUCED, ladder.WARPS_REDUCED):
+            replace_in_jit_cache(launch, compiled, case.decision.replacement)
+            return case.decision.replacement
+    except Exception:
+        log.warning("smemguard: internal error while deciding at warm-up for %s; left to its first launch",
+                    introspect.kernel_name(launched), exc_info=True)
+    return compiled
 
 
 def _layer_name(launched) -> str:

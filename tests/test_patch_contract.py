@@ -104,7 +104,8 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
                     owner = getattr(owner, attribute)
                 return owner.__dict__.get(path[-1]) if isinstance(owner, type) else getattr(owner, path[-1])
 
-        context = PatchContext(Settings(max_shared=65536), guard._on_out_of_resources, guard._remembered_options)
+        context = PatchContext(Settings(max_shared=65536), guard._on_out_of_resources, guard._remembered_options,
+                               guard._on_warmup)
         before = target_object()
         seen = []
         for step in {STEPS!r}:

@@ -46,6 +46,7 @@ MODULES = (
     "autotuner_bench",
     "jit_compile",
     "kernel_interface",
+    "kernel_warmup",
     "vllm_batch_invariant",
     "deepgemm_metadata",
     "flaggems",
@@ -61,6 +62,8 @@ class PatchContext:
     on_out_of_resources: Callable[..., Any]
     #: (jit, jit_key, device) -> option overrides remembered for that compile ({"num_stages": 3}) or None
     remembered_options: Callable[..., Any]
+    #: (kernel, grid, args, kwargs, compiled) -> the compiled kernel that will run (a replacement when it did not fit)
+    on_warmup: Callable[..., Any]
 
 
 def modules() -> tuple[ModuleType, ...]:
