@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -129,32 +130,78 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
         stages = max(predicted, 1) if stages > 1 else 0
 
 
+def _launch_as_config(launch: Launch, failing):
+    """The failing launch of a plain JIT function, as a config (its constexprs and options)."""
+    import triton
+
+    return triton.Config(_constexprs(launch), num_warps=failing.metadata.num_warps,
+                         num_stages=failing.metadata.num_stages)
+
+
 def _constexprs(launch: Launch) -> dict:
     named = launch.named_args()
     return {name: named.get(name) for name in sorted(launch.constexpr_names())}
 
 
-def _candidate_configs(launch: Launch):
+_MATMUL_TILE = re.compile(r"^(?:BLOCK|BLOCK_SIZE|TILE|TILE_SIZE)_?([MNK])$")
+
+
+def _stage_elements(config) -> int | None:
+    """BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N: the elements one pipeline stage of a matmul-like config holds."""
+    dims = {match.group(1): value for name, value in config.kwargs.items()
+            if (match := _MATMUL_TILE.match(name)) and _is_tile(name, value)}
+    return dims["M"] * dims["K"] + dims["K"] * dims["N"] if len(dims) == 3 else None
+
+
+def _order(configs: list, reference, limit: int) -> list:
+    """Candidates most likely to fit first, and among those the biggest (the fastest, usually).
+
+    The bytes of a matmul-like config are predicted in proportion to the failing launch's
+    measured bytes (``reference``: (config, bytes)), by stages times the elements of one stage.
+    Only an order: whether a candidate fits is still decided by compiling it. Those predicted
+    to overflow come smallest first, so that one measured overflow rules out (see
+    :meth:`_Measured.dominated`) everything at least as big. Configs the prediction cannot read
+    keep the order by tile size, largest first, after them.
+    """
+    reference_config, reference_bytes = reference
+    units = _stage_elements(reference_config)
+
+    def predicted(config) -> float | None:
+        elements = _stage_elements(config)
+        if units is None or elements is None:
+            return None
+        return reference_bytes * (elements * config.num_stages) / (units * max(reference_config.num_stages, 1))
+
+    def rank(config):
+        bytes_ = predicted(config)
+        if bytes_ is None:
+            return (2, -_tile_size(config), -config.num_stages, -config.num_warps)
+        return (0, -bytes_) if bytes_ <= limit else (1, bytes_)
+
+    return sorted(configs, key=rank)
+
+
+def _candidate_configs(launch: Launch, reference, limit: int):
     """(candidate, the allowed config it derives from): the other allowed configs as they are
     first, then with fewer stages.
 
-    Order: timed fastest by the tuner for this key first, then untimed ones by tile size
-    (largest first); configs that already failed while tuning this key are only retried with
-    fewer stages.
+    Order: timed fastest by the tuner for this key first, then untimed ones most likely to fit
+    first (:func:`_order`); configs that already failed while tuning this key are only retried
+    with fewer stages.
     """
     timings = runtime.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
     others = [c for c in allowed_configs(launch) if launch.config is None or c != launch.config]
     timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
-    untimed = sorted((c for c in others if c not in timings),
-                     key=lambda c: (_tile_size(c), c.num_stages, c.num_warps), reverse=True)
+    untimed = _order([c for c in others if c not in timings], reference, limit)
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
     for config in (*timed, *untimed):
         yield config, config
     if not takes_variants(launch):
         return
-    for config in (*timed, *untimed, *failed):
-        for stages in range(config.num_stages - 1, 0, -1):
-            yield variant(config, num_stages=stages), config
+    variants = [(variant(config, num_stages=stages), config) for config in (*timed, *untimed, *failed)
+                for stages in range(config.num_stages - 1, 0, -1)]
+    order = {id(candidate): index for index, candidate in enumerate(_order([v for v, _ in variants], reference, limit))}
+    yield from sorted(variants, key=lambda pair: order[id(pair[0])])
 
 
 def takes_variants(launch: Launch) -> bool:
@@ -207,7 +254,8 @@ def decide(launch: Launch, failing, error) -> Decision:
     racing = _can_race(launch)
     wanted = RACE if racing else 1
     fitted_bases: list = []  # a config that fits needs no fewer-stage variant
-    for config, base in _candidate_configs(launch) if len(fitting) < wanted else ():
+    reference = (launch.config if launch.config is not None else _launch_as_config(launch, failing), error.required)
+    for config, base in _candidate_configs(launch, reference, error.limit) if len(fitting) < wanted else ():
         if budget == 0 or len(fitting) >= wanted:
             break
         if any(base is fitted for fitted in fitted_bases):
