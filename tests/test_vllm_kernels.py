@@ -132,7 +132,10 @@ def test_unified_attention_head_512_on_a_t4_gets_a_smaller_tile(unified_attentio
     assert raised.value.required == 98304 and gpu.launches == []
     smemguard.uninstall()
 
+    backend = importlib.import_module("vllm.v1.attention.backends.triton_attn")  # imported it by name
+    vllms_own = backend.unified_attention
     install_guard()
+    assert backend.unified_attention is unified_attention.unified_attention is not vllms_own
     with fake_gpu("T4", cache_dir=triton_cache) as gpu:
         tiles_run["attention"].clear()
         attend(unified_attention, 512, torch.float16)
@@ -144,6 +147,8 @@ def test_unified_attention_head_512_on_a_t4_gets_a_smaller_tile(unified_attentio
         assert len(gpu.launches) == 2
     actions = [(record["action"], record.get("final")) for record in records(incident_log)]
     assert actions == [("observed", None), ("reraised", None), ("tile_reduced", "TILE_SIZE=16")]
+    smemguard.uninstall()
+    assert backend.unified_attention is unified_attention.unified_attention is vllms_own
 
 
 def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(unified_attention, tiles_run,
