@@ -23,6 +23,35 @@ STAND_INS = {
     "vllm/utils/__init__.py": "",
     "vllm/utils/deep_gemm.py":
         "def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms, indices=None):\n    return None\n",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/attention/__init__.py": "",
+    "vllm/v1/attention/ops/__init__.py": "",
+    "vllm/v1/attention/ops/triton_unified_attention.py": textwrap.dedent("""
+        import triton
+
+        @triton.jit
+        def kernel_unified_attention(output_ptr, query_ptr, TILE_SIZE: triton.language.constexpr,
+                                     HEAD_SIZE: triton.language.constexpr, SLIDING_WINDOW: triton.language.constexpr,
+                                     IS_3D: triton.language.constexpr):
+            pass
+
+        def _get_tile_size(head_size, sliding_window, element_size, is_prefill):
+            return 32
+
+        def unified_attention(q, k, v, out, *args, **kwargs):
+            pass
+        """),
+    "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/triton_attn.py":
+        "from vllm.v1.attention.ops.triton_unified_attention import unified_attention\n",
+    "vllm/v1/attention/ops/prefix_prefill.py": textwrap.dedent("""
+        import triton
+
+        @triton.jit
+        def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
+                        BLOCK_SIZE: triton.language.constexpr):
+            pass
+        """),
     "flag_gems/__init__.py": "__version__ = '5.0.2'\n",
     "flag_gems/utils/__init__.py": "",
     "flag_gems/utils/libentry.py": textwrap.dedent("""
@@ -123,4 +152,5 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
     assert first["restored"] and second["restored_again"], f"{name} did not leave {module.TARGET} as it was"
     # A patch that wraps its target replaces the object; one that describes a library (FlagGems' tuner,
     # fallbacks of vLLM kernels) leaves it and registers with the engine instead.
-    assert second["changed_when_patched"] is (name not in ("flaggems", "vllm_batch_invariant"))
+    registers_only = ("flaggems", "vllm_batch_invariant", "vllm_prefix_prefill")
+    assert second["changed_when_patched"] is (name not in registers_only)

@@ -11,8 +11,15 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+import smemguard  # noqa: E402
 from smemguard import registry  # noqa: E402
-from smemguard.patches import deepgemm_metadata, vllm_batch_invariant  # noqa: E402
+from smemguard.patches import (  # noqa: E402
+    deepgemm_metadata,
+    find_wrapper,
+    vllm_batch_invariant,
+    vllm_prefix_prefill,
+    vllm_unified_attention,
+)
 from smemguard.testing import fake_gpu  # noqa: E402
 
 from conftest import records
@@ -56,7 +63,193 @@ def test_vllm_batch_invariant_kernel_stages_then_fallback(install_guard, inciden
 
 
 def test_deepgemm_metadata_patch_wraps_vllms_function(install_guard):
-    install_guard()
     module = importlib.import_module(deepgemm_metadata.TARGET_MODULE)
-    assert deepgemm_metadata.is_patched()
-    assert getattr(module, deepgemm_metadata.TARGET).__wrapped__ is not None
+    original = getattr(module, deepgemm_metadata.FUNCTION)
+    assert original.__module__ == deepgemm_metadata.TARGET_MODULE, "vLLM's own function before install"
+    install_guard()
+    wrapper = getattr(module, deepgemm_metadata.FUNCTION)
+    assert wrapper is find_wrapper(deepgemm_metadata.TARGET_MODULE, deepgemm_metadata.FUNCTION,
+                                   deepgemm_metadata._fallback_on_refusal), "smemguard's layer is the module's function"
+    assert wrapper.__wrapped__ is original
+    smemguard.uninstall()
+    assert getattr(module, deepgemm_metadata.FUNCTION) is original
+
+
+def _out_of_resources():
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
+
+
+# -- unified attention: a smaller TILE_SIZE, chosen by the wrapper --------------------------------
+
+
+@pytest.fixture
+def unified_attention():
+    return importlib.import_module(vllm_unified_attention.TARGET_MODULE)
+
+
+@pytest.fixture
+def tiles_run(unified_attention):
+    """TILE_SIZE of every run of vLLM's two unified-attention kernels, compiles included (Triton's own hooks)."""
+    seen = {"attention": [], "reduce": []}
+    hooks = [(unified_attention.kernel_unified_attention, lambda *a, **k: seen["attention"].append(k["TILE_SIZE"])),
+             (unified_attention.reduce_segments, lambda *a, **k: seen["reduce"].append(k["TILE_SIZE"]))]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    yield seen
+    for kernel, hook in hooks:
+        kernel.pre_run_hooks.remove(hook)
+
+
+def attend(module, head_size, dtype, decode=False, window=-1, segments=16):
+    """vLLM's unified_attention as its Triton backend calls it: two sequences, 16-token KV blocks, 4 query heads."""
+    seqs, query_len, context, block = 2, 1 if decode else 64, 128, 16
+    tokens, seq_len = seqs * query_len, context + query_len
+    blocks = -(-seq_len // block)
+    q = torch.randn(tokens, 4, head_size, dtype=dtype)
+    k = torch.randn(seqs * blocks, block, 1, head_size, dtype=dtype)
+    split = {}
+    if decode:  # the 3D path: split-KV scratch buffers, as the backend allocates them
+        padded = 1 << (head_size - 1).bit_length()
+        split = dict(seq_threshold_3D=1 << 20, num_par_softmax_segments=segments,
+                     softmax_segm_output=torch.empty(tokens, 4, segments, padded),
+                     softmax_segm_max=torch.empty(tokens, 4, segments),
+                     softmax_segm_expsum=torch.empty(tokens, 4, segments))
+    module.unified_attention(q, k, torch.randn_like(k), torch.empty_like(q),
+                             torch.arange(0, tokens + 1, query_len, dtype=torch.int32), query_len,
+                             torch.full((seqs,), seq_len, dtype=torch.int32), seq_len, head_size ** -0.5, True,
+                             (window, -1), torch.arange(seqs * blocks, dtype=torch.int32).reshape(seqs, blocks), 0,
+                             None, None, None, **split)
+
+
+def test_unified_attention_head_512_on_a_t4_gets_a_smaller_tile(unified_attention, tiles_run, install_guard,
+                                                               incident_log, triton_cache):
+    # Gemma 4's global layers: head size 512, fp16 (Turing has no bf16); 98304 B at every stage count on sm_75.
+    install_guard(mode="observe")
+    with fake_gpu("T4", cache_dir=triton_cache) as gpu, pytest.raises(_out_of_resources()) as raised:
+        attend(unified_attention, 512, torch.float16)
+    assert raised.value.required == 98304 and gpu.launches == []
+    smemguard.uninstall()
+
+    backend = importlib.import_module("vllm.v1.attention.backends.triton_attn")  # imported it by name
+    vllms_own = backend.unified_attention
+    install_guard()
+    assert backend.unified_attention is unified_attention.unified_attention is not vllms_own
+    with fake_gpu("T4", cache_dir=triton_cache) as gpu:
+        tiles_run["attention"].clear()
+        attend(unified_attention, 512, torch.float16)
+        assert [(launch.kernel, launch.shared) for launch in gpu.launches] == [("kernel_unified_attention", 65536)]
+        assert tiles_run["attention"][0] == 32 and tiles_run["attention"][-1] == 16, "the wrapper's own 32, then 16"
+        tiles_run["attention"].clear()
+        attend(unified_attention, 512, torch.float16)
+        assert tiles_run["attention"] == [16], "later calls of the shape class choose 16 at once, no failed launch"
+        assert len(gpu.launches) == 2
+    actions = [(record["action"], record.get("final")) for record in records(incident_log)]
+    assert actions == [("observed", None), ("reraised", None), ("tile_reduced", "TILE_SIZE=16")]
+    smemguard.uninstall()
+    assert backend.unified_attention is unified_attention.unified_attention is vllms_own
+
+
+def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(unified_attention, tiles_run,
+                                                                             install_guard, triton_cache):
+    # Gemma 3's sliding-window layers (head 256, window 1024: TILE_SIZE 32 for decode too), in fp32 as vLLM runs
+    # Gemma 3 on Turing, through the 3D path: 51200 B on sm_75, over an emulated 48 KiB limit.
+    install_guard(mode="observe")
+    with fake_gpu("T4", max_shared=49152, cache_dir=triton_cache), pytest.raises(_out_of_resources()):
+        attend(unified_attention, 256, torch.float32, decode=True, window=1023)
+    smemguard.uninstall()
+
+    install_guard()
+    with fake_gpu("T4", max_shared=49152, cache_dir=triton_cache) as gpu:
+        tiles_run["attention"].clear()
+        attend(unified_attention, 256, torch.float32, decode=True, window=1023)
+    assert [launch.kernel for launch in gpu.launches] == ["kernel_unified_attention", "reduce_segments"]
+    assert tiles_run["attention"][-1] == 16 and tiles_run["reduce"] == [16], "both kernels see the same TILE_SIZE"
+    module, choice = vllm_unified_attention.TARGET_MODULE, vllm_unified_attention.TILE_CHOICE
+    assert find_wrapper(module, choice, vllm_unified_attention._capped_tile_size) is not None
+    smemguard.uninstall()
+    assert find_wrapper(module, choice, vllm_unified_attention._capped_tile_size) is None, "vLLM's own choice again"
+    assert not vllm_unified_attention.is_patched()
+
+
+# -- prefix prefill: smaller BLOCK_M/BLOCK_N alternatives, grid recomputed ------------------------------
+
+
+def prefill(module, head_size, dtype, query_len=96, context=64):
+    """vLLM's context_attention_fwd on two sequences with a 16-token paged KV cache."""
+    seqs, block, heads = 2, 16, 4
+    tokens, blocks = seqs * query_len, -(-(context + query_len) // 16)
+    q = torch.randn(tokens, heads, head_size, dtype=dtype)
+    k = torch.randn_like(q)
+    x = 16 // q.element_size()
+    module.context_attention_fwd(q, k, torch.randn_like(k), torch.empty_like(q), "auto",
+                                 torch.randn(seqs * blocks, heads, head_size // x, block, x, dtype=dtype),
+                                 torch.randn(seqs * blocks, heads, head_size, block, dtype=dtype),
+                                 torch.arange(seqs * blocks, dtype=torch.int32).reshape(seqs, blocks),
+                                 torch.arange(0, tokens + 1, query_len, dtype=torch.int32),
+                                 torch.full((seqs,), context + query_len, dtype=torch.int32), context + query_len,
+                                 query_len, torch.ones(1), torch.ones(1))
+    return seqs, heads, query_len
+
+
+def test_prefix_prefill_on_a_t4_runs_a_smaller_block_with_its_grid_recomputed(install_guard, incident_log,
+                                                                              triton_cache):
+    module = importlib.import_module(vllm_prefix_prefill.TARGET_MODULE)
+    install_guard(mode="observe")
+    with fake_gpu("T4", cache_dir=triton_cache), pytest.raises(_out_of_resources()) as raised:
+        prefill(module, 128, torch.float16)  # BLOCK_M=128, BLOCK_N=64, already num_stages=1
+    assert raised.value.required == 98304
+    smemguard.uninstall()
+
+    install_guard()
+    assert vllm_prefix_prefill.is_patched()
+    with fake_gpu("T4", cache_dir=triton_cache) as gpu:
+        seqs, heads, query_len = prefill(module, 128, torch.float16)
+    (launch,) = gpu.launches
+    assert launch.shared <= 65536 and launch.num_stages == 1 and launch.num_warps == 4
+    assert launch.grid == (seqs, heads, -(-query_len // 64)), "grid recomputed for BLOCK_M=64 (it was 1 block of 128)"
+    record = records(incident_log)[-1]
+    final = dict(part.split("=") for part in record["final"].split())
+    assert record["action"] == "config_changed" and (final["BLOCK_M"], final["BLOCK_N"]) == ("64", "64")
+
+
+# -- fused MoE: fewer stages only ------------------------------------------------------------------
+
+
+def moe(module, config, tokens=256, experts=8, n=3584, k=4096, top_k=2):
+    """vLLM's invoke_fused_moe_triton_kernel with sorted_token_ids padded to BLOCK_SIZE_M, as moe_align_block_size does."""
+    import triton.language as tl
+
+    block_m = config["BLOCK_SIZE_M"]
+    padded = -(-(tokens * top_k + experts * (block_m - 1)) // block_m) * block_m
+    a, b = torch.randn(tokens, k, dtype=torch.float16), torch.randn(experts, n, k, dtype=torch.float16)
+    module.invoke_fused_moe_triton_kernel(
+        a, b, torch.empty(tokens, top_k, n, dtype=torch.float16), None, None, torch.rand(tokens, top_k),
+        torch.zeros(padded, dtype=torch.int32), torch.zeros(padded // block_m, dtype=torch.int32),
+        torch.tensor([padded], dtype=torch.int32), False, top_k, config, tl.float16, False, False, False, False, False)
+    return padded * -(-n // config["BLOCK_SIZE_N"]) // block_m
+
+
+def test_fused_moe_changes_only_stages_never_block_size_m(install_guard, incident_log, triton_cache):
+    module = importlib.import_module("vllm.model_executor.layers.fused_moe.fused_moe")
+    # vLLM's A100 table for E=8, N=3584 (Mixtral, TP=4) at M=256, on an sm_89 GPU (L4, L40S): 122880 > 101376 B.
+    config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 32, "num_warps": 8,
+              "num_stages": 4}
+    install_guard(mode="observe")
+    with fake_gpu("L4", cache_dir=triton_cache), pytest.raises(_out_of_resources()):
+        moe(module, config)
+    smemguard.uninstall()
+
+    install_guard()
+    with fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        blocks = moe(module, config)
+    assert gpu.launches[-1].grid == (blocks, 1, 1) and gpu.launches[-1].num_stages < 4
+    with fake_gpu("L4", max_shared=16384, cache_dir=triton_cache) as gpu, pytest.raises(_out_of_resources()):
+        moe(module, config)  # no stage count fits: re-raised, BLOCK_SIZE_M is never an option
+    stages, nothing_fits = records(incident_log)[-2:]
+    assert stages["action"] == "stages_reduced" and nothing_fits["action"] == "reraised"
+    for record in (stages, nothing_fits):
+        assert {attempt["config"].split(" num_stages=")[0] for attempt in record["attempts"]} == {
+            record["config"].split(" num_stages=")[0]}, "only num_stages differs between attempts"
+        assert "BLOCK_SIZE_M=64 " in record["config"] and record["constexprs"]["BLOCK_SIZE_M"] == 64

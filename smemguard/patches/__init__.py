@@ -28,6 +28,7 @@ nothing; the others each when one of their ``TARGET_MODULES`` is imported.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -50,6 +51,8 @@ MODULES = (
     "vllm_batch_invariant",
     "deepgemm_metadata",
     "flaggems",
+    "vllm_unified_attention",
+    "vllm_prefix_prefill",
 )
 
 
@@ -81,6 +84,16 @@ def library_modules() -> tuple[ModuleType, ...]:
 def wrap(module_name: str, name: str, wrapper) -> None:
     """Wrap ``module.name`` (a dotted name: "Autotuner._bench") with a wrapt function wrapper."""
     wrapt.wrap_function_wrapper(module_name, name, wrapper)
+
+
+def rebind(name: str, old, new) -> None:
+    """Point every loaded module whose global ``name`` is ``old`` at ``new``: callers that
+    imported a wrapped function by name (``from module import function``) keep the object
+    they imported, so wrapping its defining module alone does not reach them."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(name) is old:
+            setattr(module, name, new)
 
 
 def _owner_and_attr(module_name: str, name: str):

@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import find_wrapper, unwrap, wrap
+from . import find_wrapper, rebind, unwrap, wrap
 from .. import incidents
 from ..versions import Supported
 
@@ -149,7 +149,7 @@ def patch(context) -> None:
     _check_signature(getattr(module, FUNCTION, None))
     wrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
     wrapper = getattr(module, FUNCTION)
-    _rebind(wrapper.__wrapped__, wrapper)
+    rebind(FUNCTION, wrapper.__wrapped__, wrapper)
 
 
 def unpatch() -> None:
@@ -165,7 +165,7 @@ def unpatch() -> None:
     if wrapper is None:
         return
     unwrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
-    _rebind(wrapper, wrapper.__wrapped__)
+    rebind(FUNCTION, wrapper, wrapper.__wrapped__)
 
 
 def is_patched() -> bool:
@@ -183,14 +183,6 @@ def _check_signature(function) -> None:
     if names != EXPECTED_PARAMETERS:
         raise RuntimeError(f"{TARGET_MODULE}.{FUNCTION}{inspect.signature(function)} does not start with "
                            f"{', '.join(EXPECTED_PARAMETERS)}; smemguard leaves it unpatched")
-
-
-def _rebind(old, new) -> None:
-    """Point every module that imported ``old`` by name at ``new`` (the defining module already holds ``new``)."""
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(FUNCTION) is old:
-            setattr(module, FUNCTION, new)
 
 
 def _fallback_on_refusal(wrapped, instance, args, kwargs):

@@ -1,0 +1,88 @@
+"""vLLM's prefix-prefill attention: smaller ``BLOCK_M``/``BLOCK_N`` alternatives for ``_fwd_kernel``.
+
+Why: ``context_attention_fwd`` launches ``_fwd_kernel`` with ``BLOCK_M=128, BLOCK_N=64``,
+``num_warps=4`` and already ``num_stages=1``. On sm_75 (T4, 65536 B) that needs 98304 B at
+head size 128 in fp16, 131072 in fp32 and 196608 at head size 256: no stage count is left
+to take away, and the engine never changes the tiles of a plain kernel by itself.
+
+Why smaller tiles are safe: the caller passes the grid as a function of the meta-parameters
+(``lambda META: (batch, head, cdiv(max_input_len, META["BLOCK_M"]))``), so it is recomputed
+for the tile that runs; every load and store of the kernel is masked on the query rows
+(``offs_m < cur_batch_query_len``) and on the keys (``start_n + offs_n < cur_batch_query_len``);
+the causal loop runs to ``(start_m + 1) * BLOCK_M`` in steps of ``BLOCK_N`` with the causal
+mask inside, so it covers every key of the block for any ``BLOCK_M``/``BLOCK_N``; the context
+loop steps by ``BLOCK_SIZE``, which does not change. Results equal the larger tiles' up to the
+order of floating-point additions in the online softmax. Alternatives stay at 16 or more
+(``tl.dot``) and keep the wrapper's ``num_warps=4, num_stages=1``; the engine tries them
+largest first, and only for a launch whose grid is a callable.
+
+What it does: registers those alternatives with :func:`smemguard.register_alternatives` when
+``vllm.v1.attention.ops.prefix_prefill`` is imported. ``_fwd_kernel_alibi`` is not given any:
+its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
+head size 128 it needs 65536 B on sm_75, which fits a T4.
+
+Checked against vLLM 0.32.0 and 0.33.0 (``vllm/v1/attention/ops/prefix_prefill.py``): the
+same launch of ``_fwd_kernel`` (grid function, ``BLOCK_M=128, BLOCK_N=64, num_warps=4,
+num_stages=1``) and the same masks; 0.33 adds ``INTERLEAVED_V_PACK_FACTOR`` to the V-cache
+addressing, which does not involve either tile.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .. import registry
+from ..versions import Supported
+
+log = logging.getLogger(__name__)
+
+TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
+KERNEL = "_fwd_kernel"
+TARGET = f"{TARGET_MODULE}.{KERNEL}"
+TARGET_MODULES = (TARGET_MODULE,)
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+OBSERVE_SAFE = True  # registers alternatives only: in observe mode the engine records and re-raises anyway
+
+#: (BLOCK_M, BLOCK_N), largest first; the wrapper's own is (128, 64).
+TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
+_EXPECTED_PARAMS = {"BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out"}
+
+_kernels: list = []  # the vLLM kernel objects given alternatives
+
+
+def applies(settings) -> bool:
+    return True
+
+
+def alternatives() -> list:
+    import triton
+
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1) for m, n in TILES]
+
+
+def _imported_kernel():
+    kernel = getattr(sys.modules.get(TARGET_MODULE), KERNEL, None)
+    return kernel if hasattr(kernel, "arg_names") else None  # vLLM builds without a usable Triton: a plain function
+
+
+def patch(context) -> None:
+    kernel = _imported_kernel()
+    if kernel is None or any(kernel is known for known in _kernels):
+        return
+    params = set(kernel.arg_names)
+    if not _EXPECTED_PARAMS <= params:
+        raise RuntimeError(f"{TARGET} has unexpected parameters {sorted(params)}")
+    registry.register_alternatives(kernel, alternatives())
+    _kernels.append(kernel)
+
+
+def unpatch() -> None:
+    while _kernels:
+        registry.unregister_alternatives(_kernels.pop())
+
+
+def is_patched() -> bool:
+    kernel = _imported_kernel()
+    registered = registry.alternatives_for(kernel) if kernel is not None else ()
+    return [dict(config.kwargs) for config in registered] == [{"BLOCK_M": m, "BLOCK_N": n} for m, n in TILES]
