@@ -67,7 +67,8 @@ with place:
     except triton.runtime.errors.OutOfResources:
         outcome = "re-raised"
     seconds = time.perf_counter() - started
-print(json.dumps({"compiles": len(compiles) - 1, "seconds": round(seconds, 3), "outcome": outcome}))
+print(json.dumps({"compiles": len(compiles) - 1, "seconds": round(seconds, 3), "outcome": outcome,
+                  "smemguard": smemguard.__file__}))
 """
 
 
@@ -76,8 +77,9 @@ def run(tree: Path, scenario: str, harness: bool) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
                "TRITON_CACHE_DIR": cache}
         env = {k: v for k, v in env.items() if not k.startswith("SMEMGUARD")}
+        # Run from the tree itself: "python -c" puts the working directory first on sys.path.
         done = subprocess.run([sys.executable, "-c", WORKER, scenario, str(SCENARIOS[scenario]), str(int(harness))],
-                              env=env, capture_output=True, text=True, timeout=1800)
+                              env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests, the healthy-launch overhead, compiles per incident against a
+# baseline tree, the vLLM pack's numerics and other people's test suites. Results under $1.
+#   benchmarks/gpu_session.sh OUT [BASELINE_TREE] [FIELD_LIMITS] [FIELD_BUDGET_S]
+# Needs (carried, never committed): .whl/ (FlagGems, fla-core, Liger-Kernel and their missing
+# wheels), .field/ (their tests, vllm/ sources for the numerics; see benchmarks/field_suites.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="$1"; baseline="${2:-.field/smemguard-base}"; limits="${3:-T4}"; budget="${4:-300}"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheels did not install"; exit 2; }
+export PYTHONPATH="/tmp/site"
+step() { echo "== $1 ($(date +%T))"; }
+step "GPU tests"
+PYTHONPATH=".:tests:$PYTHONPATH" timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 \
+  | tee "$out/gpu_tests.txt" | tail -4
+step "launch overhead"
+PYTHONPATH=".:$PYTHONPATH" timeout 120 python3 benchmarks/launch_overhead.py --blocks 20 \
+  --json "$out/launch_overhead.json" 2>&1 | tail -6
+step "compiles per incident"
+timeout 240 python3 benchmarks/incident_compiles.py --tree "before=$baseline" --tree after=. \
+  --json "$out/incident_compiles.json" 2>&1 | tail -7
+if [ -d .field/vllm ]; then
+  step "vLLM pack numerics"
+  PYTHONPATH=".:$PYTHONPATH" timeout 180 python3 benchmarks/vllm_pack_numerics.py .field/vllm --limit T4 2>&1 \
+    | tee "$out/vllm_pack_numerics.txt" | tail -12
+fi
+step "field suites"
+timeout $((budget + 30)) python3 benchmarks/field_suites.py --smemguard . --suites fla,liger --modes observe,on \
+  --limits "$limits" --workers 4 --jobs 4 --budget "$budget" --out "$out" 2>&1 | tail -14
+step "done"
