@@ -96,7 +96,21 @@ class Launch:
             raise OptionIsAParameter(f"{', '.join(used)} is also a parameter the kernel uses: changing the launch "
                                      "option would change it too")
         non_parameters = {k: v for k, v in self.jit_kwargs.items() if k not in self.jit.arg_names}
-        return self.jit.run(grid=self.grid, warmup=True, **{**self.named_args(), **non_parameters, **options})
+        kwargs = {**self.named_args(), **non_parameters, **options}
+        kernel = self.jit.run(grid=self.grid, warmup=True, **kwargs)
+        if all(getattr(kernel.metadata, name, value) == value for name, value in options.items()):
+            return kernel
+        # Triton keys its JIT cache on the parameter, not on the option read from the same keyword: when
+        # the parameter already had that value, the cache hands back the variant compiled with the default
+        # option. Compile past it, then put the cached kernel back (a decision replaces it later).
+        kernel_cache = self.jit.device_caches[runtime.current_device()][0]
+        stale = {key: cached for key, cached in list(kernel_cache.items()) if cached is kernel}
+        for key in stale:
+            del kernel_cache[key]
+        try:
+            return self.jit.run(grid=self.grid, warmup=True, **kwargs)
+        finally:
+            kernel_cache.update(stale)
 
     def relaunch(self):
         self.run_config_pre_hook()
@@ -195,8 +209,10 @@ def check(kernel) -> tuple[bool, int, int]:
 def describe(launch: Launch, kernel=None) -> str:
     """``BLOCK_M=128 BLOCK_N=64 num_warps=4 num_stages=3``: the constexprs and the options in force."""
     constexprs = launch.named_args()
+    # A parameter named like a launch option (Liger-Kernel's num_stages) is shown as the option it becomes.
     parts = [f"{p.name}={constexprs.get(p.name)}" for p in launch.jit.params
-             if p.is_constexpr and isinstance(constexprs.get(p.name), (int, str, bool))]
+             if p.is_constexpr and isinstance(constexprs.get(p.name), (int, str, bool))
+             and (kernel is None or p.name not in introspect.CONFIG_OPTIONS)]
     if kernel is not None:
         parts += [f"num_warps={kernel.metadata.num_warps}", f"num_stages={kernel.metadata.num_stages}"]
     return " ".join(parts)

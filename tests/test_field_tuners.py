@@ -169,10 +169,13 @@ def _matmul_computing_with_its_stages(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, s
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, (acc * num_stages).to(tl.float16))
 
 
-@pytest.mark.parametrize("body, action, final_stages", [
-    (_matmul_taking_its_options, "stages_reduced", 2), (_matmul_computing_with_its_stages, "reraised", None)])
+@pytest.mark.parametrize("body, own_stages, action, final_stages", [
+    (_matmul_taking_its_options, 5, "stages_reduced", 2),
+    # Liger-Kernel's case: the parameter already holds the count the option is lowered to
+    (_matmul_taking_its_options, 2, "stages_reduced", 2),
+    (_matmul_computing_with_its_stages, 5, "reraised", None)])
 def test_kernels_taking_num_stages_and_num_warps_positionally(install_guard, incident_log, triton_cache, body,
-                                                              action, final_stages):
+                                                              own_stages, action, final_stages):
     """Passed positionally, they are the kernel's parameters and Triton launches with its default
     options (3 stages: 65536 B for 128x128x64 on sm_89). Fewer stages are tried unless the kernel
     computes with the parameter: changing the option would change it too."""
@@ -180,7 +183,7 @@ def test_kernels_taking_num_stages_and_num_warps_positionally(install_guard, inc
     a, b, c = operands()
     install_guard()
     with fake_gpu("L4", max_shared=60000, cache_dir=triton_cache) as gpu:
-        launch = lambda: kernel[(1, 1)](*matmul_args(a, b, c), 128, 128, 64, 5, 4)  # noqa: E731
+        launch = lambda: kernel[(1, 1)](*matmul_args(a, b, c), 128, 128, 64, own_stages, 4)  # noqa: E731
         if final_stages is None:
             with pytest.raises(OutOfResources):
                 launch()
@@ -210,3 +213,23 @@ def test_a_candidate_smemguard_cannot_build_is_counted_and_the_next_one_still_re
     assert record["action"] == "config_changed" and "BLOCK_M=32" in record["final"]
     assert record["internal_errors"] == 1
     assert [a["internal_error"] for a in record["attempts"]][-2:] == [True, False], "built wrongly, then the next fits"
+
+
+@pytest.mark.fla
+def test_liger_kernels_neighborhood_attention_backward_recovers_on_a_t4_sized_limit(install_guard, incident_log,
+                                                                                   triton_cache):
+    """Liger-Kernel 0.8.5's kernel, launched as its backward launches it: num_stages=2 passed
+    positionally as its own parameter, Triton's default 3 stages as the option (98304 B on sm_90)."""
+    fna = pytest.importorskip("liger_kernel.ops.fused_neighborhood_attention",
+                              reason="Liger-Kernel is not installed (CI stage 1b installs it)")
+    batch, heads, seq_len, head_dim = 1, 2, 48, 128
+    grad_out, value = torch.randn(batch, heads, seq_len, head_dim), torch.randn(batch, heads, seq_len, head_dim)
+    grad_attn = torch.empty(batch, heads, seq_len, seq_len)
+    install_guard()
+    with fake_gpu(90, max_shared=65536, cache_dir=triton_cache) as gpu:
+        fna._fused_neighborhood_attention_grad_attn_kernel[(batch * heads, 1, 1)](
+            grad_out, value, grad_attn, *grad_out.stride(), *value.stride(), *grad_attn.stride(), batch, heads,
+            seq_len, head_dim, 64, 64, 64, 2, 4)
+    (record,) = records(incident_log)
+    assert record["action"] == "stages_reduced" and record["required"] == 98304
+    assert record["attempts"][1]["changes"] == "num_stages=2" and gpu.launches[-1].shared <= 65536
