@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -321,3 +322,15 @@ def test_counting_costs_microseconds_without_a_textfile():
     print(f"live series: {per_record_us:.1f} us per incident")
     assert value("smemguard_incidents_total", kernel="k:cost", resource="shared memory", action="fallback",
                  gpu="unknown") == 1000
+
+
+def test_the_docs_name_only_series_smemguard_exports():
+    guide = (ROOT / "docs" / "METRICS.md").read_text()
+    text = guide + (ROOT / "README.md").read_text()
+    exported = {"smemguard_incidents_total", "smemguard_remembered_total", "smemguard_info",
+                *(f"smemguard_recovery_seconds{suffix}" for suffix in ("", "_bucket", "_sum", "_count"))}
+    assert set(re.findall(r"\bsmemguard_[a-z_]+", text)) - {"smemguard_"} <= exported
+    assert "Buckets " + ", ".join(f"{b:g}" for b in metrics.BUCKETS) + " s" in text
+    [dashboard] = [json.loads(block.split("```")[0]) for block in guide.split("```json\n")[1:]]
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert all(any(name in query for name in exported) for query in queries) and len(queries) == 6
