@@ -14,7 +14,7 @@ Labels are bounded: kernels by qualified name, GPUs by name, never shapes. All o
 path: :func:`count` runs once per record (``incidents.emit``), :func:`configure` at install
 and uninstall. Without prometheus_client everything here is a no-op and nothing is imported.
 
-Live series live in prometheus_client's default registry. When ``PROMETHEUS_MULTIPROC_DIR``
+The live series are in prometheus_client's default registry. When ``PROMETHEUS_MULTIPROC_DIR``
 was set before prometheus_client was imported (vLLM: see docs/METRICS.md), prometheus_client
 writes them to files there and a ``MultiProcessCollector`` (vLLM's ``/metrics``) adds up every
 process's; smemguard never reads that variable itself. ``SMEMGUARD_METRICS_FILE`` is the
@@ -47,8 +47,8 @@ REMEMBERED = "smemguard_remembered"
 INFO = "smemguard_info"
 INCIDENT_LABELS = ("kernel", "resource", "action", "gpu")
 INFO_LABELS = ("version", "triton", "mode", "limit")
-#: Upper bounds (s) of the recovery histogram: a remembered decision takes milliseconds, a
-#: ladder of compiles a second or more, racing candidates with the tuner's benchmark longer.
+#: Upper bounds (s) of the recovery histogram: from candidates found in Triton's cache
+#: (milliseconds) to a ladder of cold compiles and the tuner's benchmark (seconds).
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _HELP = {
@@ -59,7 +59,8 @@ _HELP = {
 }
 
 _lock = threading.RLock()  # re-entered when an import inside count() runs the post-import hook
-_live = None  # the live series, once created; False when prometheus_client is missing or refused them
+_live = None  # the live series, once created; False when they cannot be (no prometheus_client, names taken)
+_client_missing = False
 _info_labels: tuple[str, ...] | None = None
 _settings = None  # the installed guard's settings
 _textfile: Path | None = None
@@ -178,14 +179,14 @@ class _Families:
 
 
 def _client():
-    """prometheus_client, or None when it is not installed (then nothing is tried again)."""
-    global _live
-    if _live is False:
+    """prometheus_client, or None when it is not installed (then its import is not tried again)."""
+    global _client_missing
+    if _client_missing:
         return None
     try:
         import prometheus_client
     except ImportError:
-        _live = False
+        _client_missing = True
         return None
     return prometheus_client
 
@@ -221,7 +222,9 @@ def _live_series():
     global _live
     if _live is None:
         client = _client()
-        if client is None or _live is not None:  # importing it ran the post-import hook, which created them
+        if client is None:
+            _live = False
+        if _live is not None:  # False, or created by the post-import hook that importing the client ran
             return _live or None
         try:
             _live = _Live(client)

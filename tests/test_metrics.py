@@ -252,6 +252,25 @@ def test_an_unwritable_textfile_warns_once_and_counting_goes_on(tmp_path, caplog
                  gpu="unknown") - before == 2
 
 
+def test_names_taken_by_the_host_leave_its_registry_alone_and_the_textfile_working(tmp_path):
+    result = run_python(f"""
+        import json, logging
+        from pathlib import Path
+        import prometheus_client
+        from smemguard import metrics
+        from smemguard.settings import Settings
+        logging.basicConfig()
+        theirs = prometheus_client.Counter("smemguard_incidents", "the host's own")
+        metrics.configure(Settings(metrics_file=Path({str(tmp_path / "smemguard.prom")!r})))
+        metrics.count(json.loads({json.dumps(RECORD)!r}))
+        print(prometheus_client.REGISTRY.get_sample_value("smemguard_incidents_total"))
+    """)
+    assert result.stdout.split() == ["0.0"], "the host's counter is untouched"
+    [warning] = [line for line in result.stderr.splitlines() if "smemguard" in line]
+    assert "no Prometheus metrics in this process" in warning and "Duplicated timeseries" in warning
+    assert "smemguard_incidents_total{" in (tmp_path / "smemguard.prom").read_text()
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n"])
 def test_an_empty_textfile_is_started_on(textfile_only, text):
     textfile_only.write_text(text)
