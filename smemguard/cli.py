@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -24,11 +25,13 @@ examples:
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
   smemguard check --examples --gpu L4,A100,H100   which configs of the example kernels overflow which GPU
   smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
+  smemguard report --format prometheus rank*.jsonl   the same as the series smemguard exports to /metrics
   smemguard replay incidents.jsonl --index 3   rebuild record 3's launch and run it again
   smemguard cache show           the decisions this host remembers
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
-SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>. See the README.
+SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>.
+See the README.
 """
 
 
@@ -128,18 +131,27 @@ def _report(args) -> int:
         print(f"smemguard report: {error}", file=sys.stderr)
         return 2
     malformed: list = []
-    rows = report.summarize(report.read(args.files, malformed), kernel=args.kernel, since=since)
-    if args.json:
+    records = report.read(args.files, malformed)
+    if args.format == "prometheus" and importlib.util.find_spec("prometheus_client") is None:
+        print("smemguard report: --format prometheus needs prometheus_client. Fix: pip install 'smemguard[metrics]'",
+              file=sys.stderr)
+        return 2
+    if args.format == "prometheus":
+        print(report.format_prometheus(records, kernel=args.kernel, since=since), end="")
+    elif args.json or args.format == "json":
+        rows = report.summarize(records, kernel=args.kernel, since=since)
         print(json.dumps({"rows": [row.as_json() for row in rows],
                           "malformed": [vars(m) for m in malformed]}, indent=2))
+        return 0
     else:
+        rows = report.summarize(records, kernel=args.kernel, since=since)
         print(report.format_table(rows) if rows else "no incident records" + (" matching the filters" if
                                                                               args.kernel or since else ""))
-        for bad in malformed:
-            where = f"{bad.path}:{bad.line}" if bad.line else bad.path
-            print(f"skipped {where}: {bad.reason}", file=sys.stderr)
-        if malformed:
-            print(f"{len(malformed)} malformed line(s) skipped", file=sys.stderr)
+    for bad in malformed:
+        where = f"{bad.path}:{bad.line}" if bad.line else bad.path
+        print(f"skipped {where}: {bad.reason}", file=sys.stderr)
+    if malformed:
+        print(f"{len(malformed)} malformed line(s) skipped", file=sys.stderr)
     return 0
 
 
@@ -225,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--kernel", help="only kernels whose module:name contains this text")
     summary.add_argument("--since", help="only incidents since a date (2026-11-30), a time (2026-11-30T08:00) or "
                                          "a duration back from now (90m, 6h, 2d)")
-    summary.add_argument("--json", action="store_true", help="machine-readable output")
+    output = summary.add_mutually_exclusive_group()
+    output.add_argument("--format", choices=("table", "json", "prometheus"), default="table",
+                        help="table (default); json; prometheus: the series smemguard exports to /metrics, counted "
+                             "from the records, in Prometheus' text format (needs smemguard[metrics])")
+    output.add_argument("--json", action="store_true", help="the same as --format json")
     summary.set_defaults(run=_report)
 
     again = commands.add_parser(

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 
-from . import incidents, settings as settings_module
+from . import incidents, metrics, settings as settings_module
 from ._version import __version__
 from .settings import Settings, SettingsError
 
@@ -145,6 +145,7 @@ def _patch(settings: Settings) -> bool:
         return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
                      "Triton is left untouched and kernels run unguarded.", settings)
     _active = settings
+    metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
              settings.describe_limit())
@@ -210,6 +211,7 @@ def uninstall() -> None:
     with _lock:
         _pending = None
         _active = None
+        metrics.configure(None)
         if "triton" not in sys.modules:
             return  # nothing was patched yet, and removing nothing must not import Triton
         from . import recovery

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import introspect, ladder, runtime
+from . import introspect, ladder, metrics, runtime
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> s
     """Write ``record`` and log ``message % args`` once per ``case`` (then at DEBUG), followed by
     where the record went; returns that location."""
     where = write(record, path)
+    metrics.count(record)
     warn_once(case, message + "%s", *args, f"; record {where}" if where else "")
     log.debug("smemguard incident: %s", record)
     return where

@@ -134,3 +134,15 @@ def format_table(rows: list[Row]) -> str:
     numeric = {3, 4, 8}
     return "\n".join("  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
+
+
+def format_prometheus(records: Iterable[dict], kernel: str | None = None, since: datetime | None = None) -> str:
+    """The series smemguard exports (:mod:`smemguard.metrics`; all but ``smemguard_info``, which
+    records do not carry), counted from the records that pass the filters of :func:`summarize`."""
+    from .metrics import Tally
+
+    def selected(record: dict) -> bool:
+        when = _when(record)
+        return (not kernel or kernel in record["kernel"]) and not (since and (when is None or when < since))
+
+    return Tally.of(filter(selected, records)).exposition()

@@ -34,7 +34,11 @@ LOG = "SMEMGUARD_LOG"
 #: Default: ``$XDG_CACHE_HOME/smemguard`` (``~/.cache/smemguard``).
 CACHE_DIR = "SMEMGUARD_CACHE_DIR"
 
-KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR)
+#: Path of a Prometheus textfile (``*.prom``, for node_exporter's textfile collector) that every
+#: process of the host adds its incidents to. Unset: metrics live in the process only.
+METRICS_FILE = "SMEMGUARD_METRICS_FILE"
+
+KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE)
 
 
 class SettingsError(ValueError):
@@ -49,6 +53,7 @@ class Settings:
     log_path: Path | None = None
     cache_dir: Path | None = None
     problems: tuple[str, ...] = ()  # one line each, ready to log
+    metrics_file: Path | None = None
 
     @property
     def enabled(self) -> bool:
@@ -130,6 +135,20 @@ def _parse_log(value: str | None, problems: list[str]) -> Path | None:
     return path
 
 
+def _parse_metrics_file(value: str | None, problems: list[str]) -> Path | None:
+    if value is None or value.strip() == "":
+        return None
+    path = Path(value.strip()).expanduser()
+    accepted = "a writable file path ending in .prom, e.g. /var/lib/node_exporter/textfile/smemguard.prom"
+    reason = ("is a directory" if path.is_dir() else
+              "node_exporter's textfile collector reads only *.prom files" if path.suffix != ".prom" else
+              _unwritable_reason(path))
+    if reason:
+        problems.append(_problem(METRICS_FILE, value, reason, accepted) + " Metrics stay in the process.")
+        return None
+    return path
+
+
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
     home = environ.get("HOME") or os.path.expanduser("~")
     base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
@@ -168,8 +187,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     max_shared, label = _parse_max_shared(environ.get(MAX_SHARED), problems)
     log_path = _parse_log(environ.get(LOG), problems)
     cache_dir = _parse_cache_dir(environ.get(CACHE_DIR), environ, problems)
+    metrics_file = _parse_metrics_file(environ.get(METRICS_FILE), problems)
     problems.extend(_unknown_variables(environ))
-    return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems))
+    return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file)
 
 
 @functools.lru_cache(maxsize=1)

