@@ -6,7 +6,8 @@ versions come from one run:
 
   autotune-trap   ``matmul_kernel`` autotuned over FlagGems' 216-config grid, the tuner's choice for
                   the key made where 256x128x128 with 4 stages fit, launched under a T4's 65536 B
-  nothing-fits    the same, under 8192 B: no config fits, the original error is re-raised
+  smallest-fit    the same, under 8192 B: only the smallest configs of the grid fit
+  nothing-fits    the same, under 2048 B: no config fits, the original error is re-raised
   stages-only     a plain ``matmul_kernel`` launch, 128x128x64 with 5 stages, under 40000 B
 
 Compiles are counted with Triton's ``knobs.runtime.jit_cache_hook`` (every JIT cache miss), so
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCENARIOS = {"autotune-trap": 65536, "nothing-fits": 8192, "stages-only": 40000}
+SCENARIOS = {"autotune-trap": 65536, "smallest-fit": 8192, "nothing-fits": 2048, "stages-only": 40000}
 
 WORKER = r"""
 import contextlib, json, sys, time
