@@ -58,6 +58,10 @@ class Settings:
     def observe_only(self) -> bool:
         return self.mode == "observe"
 
+    def ignored(self, var: str) -> bool:
+        """Whether the value of ``var`` was rejected (and replaced by the default): its line is in ``problems``."""
+        return any(problem.startswith(f"{var}=") for problem in self.problems)
+
     def describe_limit(self) -> str:
         if self.max_shared is None:
             return "shared-memory limit from the device"
