@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -40,21 +41,26 @@ file, malformed lines or entries (each named on stderr, the rest still used), a 
 """
 
 # The exit statuses, per command, for its --help.
-REPORT_EXIT = """exit status: 0 every line was used; 2 a FILE is missing or unreadable, or some lines (or fields) could
-not be used: each is named on stderr with its line number, and the table counts the rest.
+REPORT_EXIT = """\
+exit status: 0 every line was used; 2 a FILE is missing or unreadable, or some lines (or fields)
+could not be used: each is named on stderr with its line number, and the table counts the rest.
 """
-REPLAY_EXIT = """exit status: 0 reproduced and recovered as recorded (or the recorded config fits: nothing to reproduce);
-1 not as recorded (different bytes, not reproduced on the GPU, not recovered, output mismatch);
-2 the record cannot be replayed here (missing file or record, a field replay cannot use: each named).
+REPLAY_EXIT = """\
+exit status: 0 reproduced and recovered as recorded (or the recorded config fits: nothing to
+reproduce); 1 not as recorded (different bytes, not reproduced on the GPU, not recovered, output
+mismatch); 2 the record cannot be replayed here (missing file or record, a field replay cannot
+use: each named).
 """
-CACHE_EXIT = """exit status: 0 done; 2 nothing done, or not all of it: the cache directory is unusable (a bad
+CACHE_EXIT = """\
+exit status: 0 done; 2 nothing done, or not all of it: the cache directory is unusable (a bad
 SMEMGUARD_CACHE_DIR is never replaced by the default), a file is not a decision file, or some
 entries cannot be applied (each named on stderr; show and export leave them out, import skips them).
 clear and import act on the cache directory only; export writes FILE only.
 """
-DEMO_EXIT = """exit status: 0 shown; 2 --gpu is not an NVIDIA GPU from 'smemguard gpus'. Honours SMEMGUARD (off,
-observe) and SMEMGUARD_LOG (the record is appended there, else written to a temporary file removed at
-the end); decisions stay in memory, never in SMEMGUARD_CACHE_DIR.
+DEMO_EXIT = """\
+exit status: 0 shown; 2 --gpu is not an NVIDIA GPU from 'smemguard gpus'. Honours SMEMGUARD (off,
+observe) and SMEMGUARD_LOG (the record is appended there, else written to a temporary file removed
+at the end); decisions stay in memory, never in SMEMGUARD_CACHE_DIR.
 """
 GPUS_EXIT = "exit status: 0.\n"
 
@@ -83,8 +89,6 @@ def _done(started: float, result: str) -> None:
 
 def _appended_record(path: Path, offset: int) -> dict | None:
     """The first incident record written to ``path`` past ``offset`` bytes (the demo's own)."""
-    from . import untrusted
-
     try:
         with open(path, "rb") as log:
             log.seek(offset)
@@ -114,7 +118,7 @@ def _demo(args) -> int:
 
     import smemguard
     from .examples import autotuned_matmul, demo_scenario, matmul_args, tiled_grid
-    from .settings import MAX_SHARED, MODE
+    from .settings import MAX_SHARED, MODE, SettingsError
     from .testing import fake_gpu
 
     settings = args.settings
@@ -157,9 +161,12 @@ def _demo(args) -> int:
 
         incidents = settings.log_path or Path(scratch) / "incidents.jsonl"
         offset = incidents.stat().st_size if incidents.exists() else 0
-        # Decisions stay in memory: the stand-in's must never reach the host's decision cache.
-        smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
-                                              log_path=incidents, problems=()))
+        try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
+            smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
+                                                  log_path=incidents, problems=()))
+        except SettingsError as error:  # strict mode, and smemguard cannot guard this Triton
+            print(f"smemguard demo: {error}", file=sys.stderr)
+            return 2
         try:
             started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
             try:
@@ -180,7 +187,8 @@ def _demo(args) -> int:
         print(f"\nno incident record ({MODE}=off)" if not settings.enabled else
               f"\nno incident record could be written to {incidents} (see the warning above)")
         return 0
-    print(f"\nincident record ({incidents if settings.log_path else 'a temporary file, now removed; set SMEMGUARD_LOG to keep it'}):")
+    where = incidents if settings.log_path else "a temporary file, now removed; set SMEMGUARD_LOG to keep it"
+    print(f"\nincident record ({where}):")
     for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
         print(f"  {field:12} {record.get(field)}")
     for number, attempt in enumerate(record.get("attempts") or []):
@@ -248,8 +256,11 @@ def _cache_directory(args) -> tuple[Path | None, str | None]:
     from .settings import CACHE_DIR
 
     if args.dir is not None:
-        if args.dir.exists() and not args.dir.is_dir():
-            return None, f"--dir {untrusted.printable(str(args.dir))} is a file, not a cache directory"
+        try:
+            if args.dir.exists() and not args.dir.is_dir():
+                return None, f"--dir {untrusted.printable(str(args.dir))} is a file, not a cache directory"
+        except OSError as error:  # a name too long for the file system
+            return None, f"--dir {untrusted.printable(str(args.dir))[:80]}: {error.strerror or error}"
         return args.dir, None
     if args.settings.ignored(CACHE_DIR):
         return None, (f"{CACHE_DIR} is not usable (see above), so nothing was touched; fix it, or pass --dir DIR "
@@ -351,7 +362,9 @@ def _import(command: str, store, source: Path) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=1)
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (built once: parsing does not change it)."""
     parser = argparse.ArgumentParser(prog="smemguard", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
@@ -424,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _report_settings(settings) -> bool:
     """Print each settings problem as install() logs it; False when strict mode stops here."""
     for problem in settings.problems:
-        print(f"smemguard: {problem}", file=sys.stderr)
+        print(f"smemguard: {untrusted.printable(problem)}", file=sys.stderr)
     if settings.problems and settings.mode == "strict":
         print("smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above", file=sys.stderr)
         return False

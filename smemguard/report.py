@@ -23,8 +23,8 @@ class Malformed:
     reason: str
 
     def __str__(self) -> str:
-        return f"{printable(self.path)}:{self.line}: {self.reason}" if self.line else \
-            f"{printable(self.path)}: {self.reason}"
+        where = f"{self.path}:{self.line}" if self.line else self.path
+        return f"{printable(where)}: {self.reason}"
 
 
 @dataclass
@@ -101,8 +101,8 @@ def read(paths: Iterable[Path], malformed: list[Malformed]) -> Iterator[Record]:
                                                                                    "; line skipped")))
                 continue
             if not isinstance(line.value, dict):
-                malformed.append(Malformed(str(path), line.number, "not an incident record (a JSON "
-                                           f"{type(line.value).__name__}, not an object); line skipped"))
+                malformed.append(Malformed(str(path), line.number, "not an incident record but "
+                                           f"{untrusted.shown(line.value, 40)}; line skipped"))
                 continue
             fatal = untrusted.problems(line.value, REQUIRED)
             if fatal:
@@ -170,8 +170,9 @@ def format_table(rows: list[Row]) -> str:
     lines = [header]
     for row in rows:
         actions = ", ".join(f"{printable(action)} {n}" for action, n in row.actions.most_common())
-        lines.append((printable(row.kernel), printable(row.resource), printable(row.gpu), str(row.count), str(len(row.shapes)), actions,
-                      row.seen(row.first), row.seen(row.last), f"{row.recovery_ms / 1000:.2f} s"))
+        lines.append((printable(row.kernel), printable(row.resource), printable(row.gpu), str(row.count),
+                      str(len(row.shapes)), actions, row.seen(row.first), row.seen(row.last),
+                      f"{row.recovery_ms / 1000:.2f} s"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     numeric = {3, 4, 8}
     return "\n".join("  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)

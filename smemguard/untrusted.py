@@ -75,14 +75,15 @@ NAME = Expect("non-empty text", lambda value: isinstance(value, str) and value.s
 OBJECT = Expect("an object {...}", lambda value: isinstance(value, dict))
 NUMBER = Expect("a number >= 0", lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value) and value >= 0)
-SCALAR = Expect("a number, true/false, text or null", lambda value: value is None or isinstance(value, (int, float, str)))
+SCALAR = Expect("a number, true/false, text or null",
+                lambda value: value is None or isinstance(value, (int, float, str)))
 
 
 def one_of(*choices: str) -> Expect:
     return Expect("one of " + ", ".join(choices), lambda value: isinstance(value, str) and value in choices)
 
 
-def problems(record: Mapping, required: Mapping[str, Expect], optional: Mapping[str, Expect] = {},
+def problems(record: Mapping, required: Mapping[str, Expect], optional: Mapping[str, Expect] | None = None,
              prefix: str = "") -> list[str]:
     """One line per missing required field and per field of the wrong type (optional ones only when present)."""
     found = []
@@ -91,7 +92,7 @@ def problems(record: Mapping, required: Mapping[str, Expect], optional: Mapping[
             found.append(f"no {prefix + name!r} field ({expect.what})")
         elif (problem := expect.problem(prefix + name, record[name])) is not None:
             found.append(problem)
-    for name, expect in optional.items():
+    for name, expect in (optional or {}).items():
         if name in record and (problem := expect.problem(prefix + name, record[name])) is not None:
             found.append(problem)
     return found

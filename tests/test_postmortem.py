@@ -168,7 +168,8 @@ def test_replay_names_a_missing_field(tmp_path, real_record, capsys, field):
 
 
 @pytest.mark.parametrize("field, value, problem", [
-    ("args", {"a_ptr": "<object at 0x7f>"}, "'args.a_ptr' is \"<object at 0x7f>\": the record kept this argument as text"),
+    ("args", {"a_ptr": "<object at 0x7f>"},
+     "'args.a_ptr' is \"<object at 0x7f>\": the record kept this argument as text"),
     ("grid", "<lambda>", "'grid' is \"<lambda>\", expected a list of integers >= 0 (1 to 3 of them)"),
     ("device", {"backend": "cuda"}, "no 'device.arch' field"),
     ("num_stages", "4", "'num_stages' is \"4\", expected an integer >= 0"),
