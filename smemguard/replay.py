@@ -71,7 +71,7 @@ def _dtype(name: str):
 
 TENSOR = {"shape": integers(0), "stride": integers(0), "dtype": Expect("a torch dtype such as torch.float16", _dtype),
           "ptr_mod_16": Expect("an integer from 0 to 15", lambda value: integer(0).test(value) and value < 16)}
-DESCRIPTOR = {"base": OBJECT, "shape": integers(1), "strides": integers(0), "block_shape": integers(1)}
+DESCRIPTOR = {"base": OBJECT, "shape": integers(0), "strides": integers(0), "block_shape": integers(1)}
 
 #: What replay reads from a record (docs/INCIDENTS.md); ``args`` entries are checked by :func:`_argument_problems`.
 REQUIRED = {
