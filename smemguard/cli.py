@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import itertools
 import json
+import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
-from . import __version__, gpus
+from . import __version__, gpus, untrusted
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
@@ -31,8 +35,37 @@ examples:
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>.
-See the README.
+See the README. Every command reports
+a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict it then stops (2).
+
+exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
+replay: the record did not replay as recorded); 2 bad input: a usage error, a missing or unreadable
+file, malformed lines or entries (each named on stderr, the rest still used), a setting in strict mode.
 """
+
+# The exit statuses, per command, for its --help.
+REPORT_EXIT = """\
+exit status: 0 every line was used; 2 a FILE is missing or unreadable, or some lines (or fields)
+could not be used: each is named on stderr with its line number, and the table counts the rest.
+"""
+REPLAY_EXIT = """\
+exit status: 0 reproduced and recovered as recorded (or the recorded config fits: nothing to
+reproduce); 1 not as recorded (different bytes, not reproduced on the GPU, not recovered, output
+mismatch); 2 the record cannot be replayed here (missing file or record, a field replay cannot
+use: each named).
+"""
+CACHE_EXIT = """\
+exit status: 0 done; 2 nothing done, or not all of it: the cache directory is unusable (a bad
+SMEMGUARD_CACHE_DIR is never replaced by the default), a file is not a decision file, or some
+entries cannot be applied (each named on stderr; show and export leave them out, import skips them).
+clear and import act on the cache directory only; export writes FILE only.
+"""
+DEMO_EXIT = """\
+exit status: 0 shown; 2 --gpu is not an NVIDIA GPU from 'smemguard gpus'. Honours SMEMGUARD (off,
+observe) and SMEMGUARD_LOG (the record is appended there, else written to a temporary file removed
+at the end); decisions stay in memory, never in SMEMGUARD_CACHE_DIR.
+"""
+GPUS_EXIT = "exit status: 0.\n"
 
 
 def _gpus(args) -> int:
@@ -57,68 +90,113 @@ def _done(started: float, result: str) -> None:
     print(f"   -> {result} ({time.perf_counter() - started:.1f} s)", flush=True)
 
 
+def _appended_record(path: Path, offset: int) -> dict | None:
+    """The first incident record written to ``path`` past ``offset`` bytes (the demo's own)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            first = log.readline().decode("utf-8", "replace")
+    except OSError:
+        return None
+    record, _ = untrusted.loads(first)
+    return record if isinstance(record, dict) else None
+
+
+def _stages(count: int) -> str:
+    return f"{count} stage" + ("" if count == 1 else "s")
+
+
 def _demo(args) -> int:
     gpu = gpus.lookup(args.gpu)
     if gpu is None or gpu.capability is None:
-        print(f"smemguard demo: {args.gpu!r} is not an NVIDIA GPU from 'smemguard gpus'", file=sys.stderr)
+        known = ", ".join(g.name for g in gpus.GPUS if g.capability is not None)
+        print(f"smemguard demo: {args.gpu!r} is not an NVIDIA GPU from 'smemguard gpus' (the stand-in compiles "
+              f"for NVIDIA targets only); one of: {known}", file=sys.stderr)
         return 2
+    import dataclasses
+
     import torch
     import triton
     from triton.runtime.errors import OutOfResources
 
     import smemguard
-    from .examples import autotuned_matmul, matmul_args, tiled_grid
-    from .settings import Settings
+    from .examples import autotuned_matmul, demo_scenario, matmul_args, tiled_grid
+    from .settings import MAX_SHARED, MODE, SettingsError
     from .testing import fake_gpu
 
-    # Tiles sized for the demo GPU: the widest 4-stage config fits misaligned views but not aligned ones.
-    tile = 128 if gpu.max_shared > 80000 else 64
-    configs = [triton.Config(dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=64), num_stages=5, num_warps=4),
-               triton.Config(dict(BLOCK_M=tile // 2, BLOCK_N=tile // 2, BLOCK_K=32), num_stages=2, num_warps=4)]
-    n = 512
-    storage = torch.empty(n * n + 8, dtype=torch.float16)
+    settings = args.settings
+    scenario = demo_scenario(gpu)
+    n, dtype = 512, {"fp16": torch.float16, "fp32": torch.float32}[scenario.dtype]
+    storage = torch.empty(n * n + 8, dtype=dtype)
     aligned, misaligned = storage[: n * n].view(n, n), storage[1: n * n + 1].view(n, n)
-    b, c = torch.empty(n, n, dtype=torch.float16), torch.empty(n, n, dtype=torch.float16)
+    b, c = torch.empty(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
     grid = tiled_grid(n, n)
+    big = scenario.configs[0]
     print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
-          f"({gpu.arch}, {gpu.max_shared} B of shared memory per block); no kernel executes.\n")
-    incidents = Path(tempfile.mkdtemp(prefix="smemguard-demo-")) / "incidents.jsonl"
-    with fake_gpu(gpu.name) as device:
-        tuned = autotuned_matmul(configs)
+          f"({gpu.arch}, {gpu.max_shared} B of shared memory per block); no kernel executes.")
+    if settings.max_shared is not None:
+        print(f"({MAX_SHARED} does not apply here: --gpu sets the limit.)")
+    print()
+    tuned = autotuned_matmul(scenario.configs)
+    views = "misaligned views" if scenario.misaligned else "16-byte-aligned tensors"
+    elsewhere = scenario.tuned_on != gpu
+    with fake_gpu(scenario.tuned_on.name) as device:
         # The fastest-looking config is the big one, as it would be on the GPU it was tuned for.
-        timings = iter([1.0, 2.0])
+        timings = itertools.chain([1.0, 2.0], itertools.repeat(1.0))
         device.bench_ms = lambda: next(timings)
-        started = _step(f"1. autotune a {n}x{n} fp16 matmul over {len(configs)} configs on misaligned views")
-        tuned[grid](*matmul_args(misaligned, b, c))
+        where = f" on a stand-in {scenario.tuned_on.name} (tuned elsewhere)" if elsewhere else ""
+        started = _step(f"1. autotune a {n}x{n} {scenario.dtype} matmul over {len(scenario.configs)} configs on "
+                        f"{views}{where}")
+        tuned[grid](*matmul_args(misaligned if scenario.misaligned else aligned, b, c))
         won = device.launches[-1]
-        _done(started, f"winner {tile}x{tile}x64, {won.num_stages} stages, {won.shared} B")
+        _done(started, f"winner {big.kwargs['BLOCK_M']}x{big.kwargs['BLOCK_N']}x{big.kwargs['BLOCK_K']}, "
+                       f"{_stages(won.num_stages)}, {won.shared} B")
 
-        started = _step("2. the same shape with 16-byte-aligned tensors, without smemguard")
+    with fake_gpu(gpu.name) as device, tempfile.TemporaryDirectory(prefix="smemguard-demo-") as scratch:
+        what = f"on the {gpu.name} (the autotuner keeps its choice)" if elsewhere else "with 16-byte-aligned tensors"
+        started = _step(f"2. the same shape {what}, without smemguard")
         try:
             tuned[grid](*matmul_args(aligned, b, c))
-            _done(started, "it fit: nothing to show on this GPU")
+            _done(started, "it fit: nothing to show on this GPU (a bug in the demo's configs: please report it)")
             return 1
         except OutOfResources as error:
             _done(started, f"OutOfResources: {error.name}, Required: {error.required}, Hardware limit: {error.limit}")
 
-        smemguard.install(Settings(log_path=incidents))
+        incidents = settings.log_path or Path(scratch) / "incidents.jsonl"
+        offset = incidents.stat().st_size if incidents.exists() else 0
+        try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
+            smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
+                                                  log_path=incidents, problems=()))
+        except SettingsError as error:  # strict mode, and smemguard cannot guard this Triton
+            print(f"smemguard demo: {error}", file=sys.stderr)
+            return 2
         try:
-            started = _step("3. the same launch with smemguard installed")
-            tuned[grid](*matmul_args(aligned, b, c))
-            fixed = device.launches[-1]
-            _done(started, f"ran with {fixed.num_stages} stages, {fixed.shared} B, grid {fixed.grid}")
-
-            started = _step("4. again (remembered: no exception, no compile)")
-            tuned[grid](*matmul_args(aligned, b, c))
-            _done(started, f"ran with {device.launches[-1].num_stages} stages")
+            started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
+            try:
+                tuned[grid](*matmul_args(aligned, b, c))
+            except OutOfResources:
+                _done(started, "OutOfResources again: " + ("smemguard is off, nothing installed" if not
+                      settings.enabled else "observe mode records the incident and changes nothing"))
+            else:
+                fixed = device.launches[-1]
+                _done(started, f"ran with {_stages(fixed.num_stages)}, {fixed.shared} B, grid {fixed.grid}")
+                started = _step("4. again (remembered: no exception, no compile)")
+                tuned[grid](*matmul_args(aligned, b, c))
+                _done(started, f"ran with {_stages(device.launches[-1].num_stages)}")
         finally:
             smemguard.uninstall()
-    record = json.loads(incidents.read_text().splitlines()[0])
-    print(f"\nincident record ({incidents}):")
+        record = _appended_record(incidents, offset)
+    if record is None:
+        print(f"\nno incident record ({MODE}=off)" if not settings.enabled else
+              f"\nno incident record could be written to {incidents} (see the warning above)")
+        return 0
+    where = incidents if settings.log_path else "a temporary file, now removed; set SMEMGUARD_LOG to keep it"
+    print(f"\nincident record ({where}):")
     for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
-        print(f"  {field:12} {record[field]}")
-    print(f"  {'attempts':12} " + "; ".join(f"{a.get('changes') or a['config'].split()[-1]}: {a['required']} B"
-                                            for a in record["attempts"]))
+        print(f"  {field:12} {record.get(field)}")
+    for number, attempt in enumerate(record.get("attempts") or []):
+        print(f"  {'attempts' if number == 0 else '':12} {attempt.get('changes') or attempt['config']}: "
+              f"{attempt['required']} B")
     return 0
 
 
@@ -142,17 +220,17 @@ def _report(args) -> int:
         rows = report.summarize(records, kernel=args.kernel, since=since)
         print(json.dumps({"rows": [row.as_json() for row in rows],
                           "malformed": [vars(m) for m in malformed]}, indent=2))
-        return 0
     else:
         rows = report.summarize(records, kernel=args.kernel, since=since)
         print(report.format_table(rows) if rows else "no incident records" + (" matching the filters" if
                                                                               args.kernel or since else ""))
     for bad in malformed:
-        where = f"{bad.path}:{bad.line}" if bad.line else bad.path
-        print(f"skipped {where}: {bad.reason}", file=sys.stderr)
-    if malformed:
-        print(f"{len(malformed)} malformed line(s) skipped", file=sys.stderr)
-    return 0
+        print(f"smemguard report: {bad}", file=sys.stderr)
+    lines = sum(1 for bad in malformed if bad.line)
+    if lines:
+        print(f"smemguard report: {lines} line(s) not fully used, listed above; the report counts the rest. Fix or "
+              "delete them (a line cut short is usually from a process killed while writing it).", file=sys.stderr)
+    return 2 if malformed else 0
 
 
 def _replay(args) -> int:
@@ -161,55 +239,143 @@ def _replay(args) -> int:
 
     try:
         limit = parse_max_shared(args.limit)[0] if args.limit else None
-        record = replay.load(args.file, index=args.index, kernel=args.kernel)
-        return replay.replay(record, limit, print)
-    except (ValueError, OSError, replay.ReplayError) as error:
-        print(f"smemguard replay: {error}", file=sys.stderr)
+    except ValueError as error:
+        print(f"smemguard replay: --limit {args.limit!r}: {error}", file=sys.stderr)
         return 2
+    malformed: list = []
+    try:
+        found = replay.load(args.file, index=args.index, kernel=args.kernel, malformed=malformed)
+    except replay.ReplayError as error:
+        found, failure = None, error
+    for bad in malformed:
+        if bad.line:  # an unreadable file is the failure itself
+            print(f"smemguard replay: {bad} (not counted by --index)", file=sys.stderr)
+    if found is None:
+        print(f"smemguard replay: {failure}", file=sys.stderr)
+        return 2
+    try:
+        return replay.replay(found.fields, limit, print)
+    except replay.ReplayError as error:
+        print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
+        print("smemguard replay: fix: replay another record (--index N, --kernel TEXT), or correct that line",
+              file=sys.stderr)
+        return 2
+
+
+def _cache_directory(args) -> tuple[Path | None, str | None]:
+    """The cache directory to act on, or why there is none (nothing is touched then)."""
+    from .settings import CACHE_DIR
+
+    if args.dir is not None:
+        try:
+            if args.dir.exists() and not args.dir.is_dir():
+                return None, f"--dir {untrusted.printable(str(args.dir))} is a file, not a cache directory"
+        except OSError as error:  # a name too long for the file system
+            return None, f"--dir {untrusted.printable(str(args.dir))[:80]}: {error.strerror or error}"
+        return args.dir, None
+    if args.settings.ignored(CACHE_DIR):
+        return None, (f"{CACHE_DIR} is not usable (see above), so nothing was touched; fix it, or pass --dir DIR "
+                      "(the default cache is never used in its place)")
+    if args.settings.cache_dir is None:
+        return None, f"the decision cache is off ({CACHE_DIR}=off); pass --dir DIR"
+    return args.settings.cache_dir, None
+
+
+def _show(data: dict, path: Path, as_json: bool) -> None:
+    from . import decisions
+
+    entries = [entry for kind in decisions.KINDS for entry in data[kind].values()]
+    if as_json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    elif not entries:
+        print(f"no decisions in {untrusted.printable(str(path))}")
+    else:
+        print(f"{len(entries)} decisions in {untrusted.printable(str(path))}:")
+        for entry in entries:
+            print("  " + " ".join(untrusted.printable(str(part)) for part in (
+                f"{entry.get('kernel')} on {entry.get('gpu')} (limit {entry.get('limit')} B):",
+                entry.get("from_config"), "->", entry["action"], entry.get("final") or "")).rstrip())
 
 
 def _cache(args) -> int:
     from . import decisions
-    from .settings import current
 
-    directory = args.dir or current().cache_dir
-    if directory is None:
-        print("smemguard cache: the decision cache is off (SMEMGUARD_CACHE_DIR=off); pass --dir", file=sys.stderr)
+    command = f"smemguard cache {args.action}"
+    directory, refusal = _cache_directory(args)
+    if refusal:
+        print(f"{command}: {refusal}", file=sys.stderr)
         return 2
-    store = decisions.Store(Path(directory))
+    store = decisions.Store(directory)
+    shown_path = untrusted.printable(str(store.path))
     try:
-        if args.action == "show":
-            data = store.snapshot()
-            entries = [(kind, entry) for kind in decisions.KINDS for entry in data[kind].values()]
-            if args.json:
-                print(json.dumps(data, indent=1, sort_keys=True))
-            elif not entries:
-                print(f"no decisions in {store.path}")
-            else:
-                print(f"{len(entries)} decisions in {store.path}:")
-                for kind, entry in entries:
-                    print(f"  {entry.get('kernel')} on {entry.get('gpu')} (limit {entry.get('limit')} B): "
-                          f"{entry.get('from_config')} -> {entry.get('action')} {entry.get('final') or ''}".rstrip())
-        elif args.action == "clear":
-            print(f"forgot {store.clear()} decisions in {store.path}")
-        elif args.action == "export":
-            Path(args.file).write_text(json.dumps(store.snapshot(), indent=1, sort_keys=True))
-            print(f"exported {store.path} to {args.file}")
-        else:
-            try:
-                incoming = json.loads(Path(args.file).read_text())
-                added, present = store.merge(incoming)
-            except ValueError as error:
-                print(f"smemguard cache import: {args.file} is not a smemguard decision file ({error})", file=sys.stderr)
-                return 2
-            print(f"imported {added} decisions into {store.path} ({present} already there, kept as they were)")
+        data, dropped = decisions.read(store.path)
+    except ValueError as problem:
+        print(f"{command}: {shown_path} is not a smemguard decision file ({problem}); nothing was changed. Fix: "
+              "move it away (smemguard starts a new one), or point --dir / SMEMGUARD_CACHE_DIR elsewhere",
+              file=sys.stderr)
+        return 2
     except OSError as error:
-        print(f"smemguard cache: {error}", file=sys.stderr)
+        print(f"{command}: cannot read {shown_path}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    status = 0
+    try:
+        if args.action in ("show", "export"):
+            for problem in dropped:
+                print(f"{command}: {shown_path}: {problem}; left out", file=sys.stderr)
+            if dropped:
+                print(f"{command}: entries smemguard cannot apply: {len(dropped)}, listed above. The next process "
+                      "that uses the cache moves the file aside and keeps the rest; 'smemguard cache clear' "
+                      "forgets all", file=sys.stderr)
+                status = 2
+            if args.action == "show":
+                _show(data, store.path, args.json)
+            else:
+                Path(args.file).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                count = sum(len(data[kind]) for kind in decisions.KINDS)
+                print(f"exported {count} decisions from {shown_path} to {untrusted.printable(args.file)}")
+        elif args.action == "clear":
+            if not store.path.exists():
+                print(f"no decisions in {shown_path}: nothing to forget")
+            else:
+                print(f"forgot {store.clear()} decisions in {shown_path}")
+        else:
+            return _import(command, store, Path(args.file))
+    except OSError as error:
+        print(f"{command}: {error.strerror or error}" + (f": {untrusted.printable(error.filename)}"
+                                                          if error.filename else ""), file=sys.stderr)
+        return 2
+    return status
+
+
+def _import(command: str, store, source: Path) -> int:
+    from . import decisions
+
+    shown_source = untrusted.printable(str(source))
+    text, problem = untrusted.read_text(source)
+    try:
+        if problem is not None:
+            raise ValueError(problem)
+        data, dropped = decisions.parse(text)
+    except ValueError as error:
+        print(f"{command}: {shown_source} is not a smemguard decision file ({error}); nothing imported. Fix: "
+              "export one with 'smemguard cache export FILE' on the host that learned the decisions",
+              file=sys.stderr)
+        return 2
+    for problem in dropped:
+        print(f"{command}: {shown_source}: {problem}; not imported", file=sys.stderr)
+    added, present = store.merge(data)
+    print(f"imported {added} decisions into {untrusted.printable(str(store.path))} ({present} already there, kept "
+          "as they were)")
+    if dropped:
+        print(f"{command}: entries of {shown_source} not imported: {len(dropped)}, listed above. Fix: export "
+              "them again from the host that learned them", file=sys.stderr)
         return 2
     return 0
 
 
+@functools.lru_cache(maxsize=1)
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (built once: parsing does not change it)."""
     parser = argparse.ArgumentParser(prog="smemguard", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
@@ -217,13 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="reproduce a small GPU's overflow here (no GPU needed) and recover it",
                                description="Autotunes an example matmul on misaligned views, then launches it on "
                                            "aligned tensors of the same shape: the winner overflows, first without "
-                                           "smemguard, then recovered by it. Triton compiles for real; the "
-                                           "stand-in GPU executes nothing.")
-    demo.add_argument("--gpu", default="L4", help="NVIDIA GPU to stand in for (default: L4; see 'smemguard gpus')")
+                                           "smemguard, then recovered by it (GPUs that do not multi-buffer "
+                                           "aligned loads, the V100 and the T4, use a config tuned on an A100 "
+                                           "instead). Triton compiles for real; the stand-in GPU executes nothing.",
+                               epilog=DEMO_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_argument("--gpu", default="L4", help="NVIDIA GPU to stand in for (default: L4; any NVIDIA GPU of "
+                                                  "'smemguard gpus')")
     demo.set_defaults(run=_demo)
     table = commands.add_parser("gpus", help="list the GPUs smemguard knows and their per-block shared-memory limits",
                                 description="The per-block opt-in shared-memory limit Triton checks, per GPU. Any "
-                                            "name or alias is accepted by SMEMGUARD_MAX_SHARED.")
+                                            "name or alias is accepted by SMEMGUARD_MAX_SHARED.", epilog=GPUS_EXIT)
     table.add_argument("--json", action="store_true", help="machine-readable output")
     table.set_defaults(run=_gpus)
 
@@ -231,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="summarize incident records: which kernels overflowed where, and what was done",
         description="Reads the JSON-lines incident files written with SMEMGUARD_LOG (several files, e.g. one per "
                     "rank; gzip is fine) and prints one row per kernel, resource and GPU: count, distinct shapes, "
-                    "actions taken, first and last seen, time spent recovering. Malformed lines are skipped and "
-                    "listed with their line numbers.")
+                    "actions taken, first and last seen, time spent recovering. A line that is not a record is "
+                    "skipped, a field of the wrong type left out, each listed on stderr with its line number.",
+        epilog=REPORT_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     summary.add_argument("files", nargs="+", type=Path, metavar="FILE", help="incident files (.jsonl or .jsonl.gz)")
     summary.add_argument("--kernel", help="only kernels whose module:name contains this text")
     summary.add_argument("--since", help="only incidents since a date (2026-11-30), a time (2026-11-30T08:00) or "
@@ -250,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "alignment (random values), and launches the recorded config with the recorded grid. On a GPU: "
                     "reproduces the OutOfResources under the recorded limit (emulated), shows what smemguard does, "
                     "and checks the recovered output against the original config run without emulation. Without a "
-                    "GPU: compiles for the recorded arch and prints the bytes each candidate needs.")
+                    "GPU: compiles for the recorded arch and prints the bytes each candidate needs. The record is "
+                    "checked first: each field replay cannot use is named.",
+        epilog=REPLAY_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     again.add_argument("file", type=Path, metavar="FILE", help="incident file (.jsonl or .jsonl.gz)")
     which = again.add_mutually_exclusive_group()
     which.add_argument("--index", type=int, help="which record (0-based; negative counts from the end; default: last)")
@@ -262,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache", help="show, clear, export or import the decisions this host remembers",
         description="Decisions live in SMEMGUARD_CACHE_DIR/decisions.json and are shared by every process on the "
                     "host. Export them on a host that learned them and import them on the others, so no worker of "
-                    "the fleet pays for the same overflow again.")
+                    "the fleet pays for the same overflow again. Every entry is checked when read and when "
+                    "imported: one recovery could not apply is named and left out, never stored.",
+        epilog=CACHE_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     cache.add_argument("action", choices=("show", "clear", "export", "import"))
     cache.add_argument("file", nargs="?", help="the JSON file to export to or import from")
     cache.add_argument("--dir", type=Path, help="cache directory (default: SMEMGUARD_CACHE_DIR)")
@@ -275,6 +449,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report_settings(settings) -> bool:
+    """Print each settings problem as install() logs it; False when strict mode stops here."""
+    for problem in settings.problems:
+        print(f"smemguard: {untrusted.printable(problem)}", file=sys.stderr)
+    if settings.problems and settings.mode == "strict":
+        print("smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -283,7 +467,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "cache" and args.action in ("export", "import") and not args.file:
         parser.error(f"cache {args.action} needs a FILE")
-    return args.run(args)
+    from . import settings
+
+    args.settings = settings.load()
+    if not _report_settings(args.settings):
+        return 2
+    with warnings.catch_warnings():
+        # torch warns at import when NumPy is missing; no command uses NumPy. The filter ends with the command.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
+        try:
+            return args.run(args)
+        except KeyboardInterrupt:
+            print(f"smemguard {args.command}: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `smemguard report ... | head`: the reader left; nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            return 0
 
 
 if __name__ == "__main__":

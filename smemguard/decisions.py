@@ -14,7 +14,9 @@ The file is JSON (never pickle), read again whenever it changed on disk, and wri
 atomically (temporary file + rename) under an exclusive ``flock`` on ``decisions.lock``, so
 concurrent workers (tensor-parallel ranks, restarts) agree: the first decision stored for a
 case wins and everyone applies that one. A corrupt or foreign-schema file is moved aside with
-one warning and rebuilt. Failing I/O never stops a launch: one warning, then memory only.
+one warning and rebuilt; so is a file holding entries recovery could not apply (hand-edited, from
+another version), rebuilt with the usable ones. Failing I/O never stops a launch: one warning,
+then memory only.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import incidents, introspect, ladder, registry, runtime
+from . import incidents, introspect, ladder, registry, runtime, untrusted
 from .launch import jit_keys_of, try_compile, with_config
+from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +56,77 @@ def empty() -> dict:
 def validate(data: Any) -> dict:
     """``data`` if it is a decision file of this schema; else ValueError saying what is wrong."""
     if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
+        raise ValueError(f"not a JSON object but {shown(data, 40)}")
     if data.get("schema") != SCHEMA:
-        raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
+        raise ValueError(f"schema {shown(data.get('schema'), 40)}, expected {SCHEMA}")
     for kind in KINDS:
         if not isinstance(data.get(kind), dict):
             raise ValueError(f"no {kind!r} table")
     return data
+
+
+#: The actions recovery stores in each table (recovery.py's names): option-only changes of one
+#: compiled variant; another config, the fallback, or "nothing fits" for a launch.
+ACTIONS = {"compile": ("stages_reduced", "warps_reduced"), "launch": ("config_changed", "fallback", "reraised")}
+
+_OPTIONS = Expect("an object of num_stages and num_warps values (positive integers)", lambda value: (
+    isinstance(value, dict) and len(value) > 0
+    and all(name in ("num_stages", "num_warps") and integer(1).test(v) for name, v in value.items())))
+_CONFIG = {"kwargs": OBJECT, "num_warps": integer(1), "num_stages": integer(0), "num_ctas": integer(1),
+           "maxnreg": integer(1).or_null()}
+#: Per action, what recovery reads from the entry to apply it.
+_NEEDS = {"stages_reduced": {"options": _OPTIONS}, "warps_reduced": {"options": _OPTIONS},
+          "config_changed": {"config": OBJECT}, "fallback": {"fallback": NAME}, "reraised": {"reason": TEXT}}
+
+
+def entry_problems(kind: str, entry: Any) -> list[str]:
+    """Why recovery could not apply ``entry`` of table ``kind`` (empty when it can)."""
+    if not isinstance(entry, dict):
+        return [f"the entry is {shown(entry, 40)}, expected an object"]
+    found = untrusted.problems(entry, {"action": one_of(*ACTIONS[kind])})
+    if found:
+        return found
+    found = untrusted.problems(entry, _NEEDS[entry["action"]])
+    if not found and "config" in _NEEDS[entry["action"]]:
+        found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
+    return found
+
+
+def usable(data: dict) -> tuple[dict, list[str]]:
+    """(a copy of decision file ``data`` with only the entries recovery can apply, one line per entry left out)."""
+    kept = {**data, **{kind: {} for kind in KINDS}}
+    dropped = []
+    for kind in KINDS:
+        for key, entry in data[kind].items():
+            found = entry_problems(kind, entry)
+            if found:
+                dropped.append(f"{kind} entry {shown(key, 40)}: {'; '.join(found)}")
+            else:
+                kept[kind][key] = entry
+    return kept, dropped
+
+
+def parse(text: str) -> tuple[dict, list[str]]:
+    """The usable part of a decision file's text, and one line per entry left out; ValueError when
+    the text is not a decision file at all."""
+    data, problem = untrusted.loads(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return usable(validate(data))
+
+
+def read(path: Path) -> tuple[dict, list[str]]:
+    """:func:`parse` of the file at ``path`` (an empty file when there is none), taking no lock and
+    changing nothing: writers replace the file whole. OSError when it cannot be read."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return empty(), []
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 text (byte {error.start})") from None
+    return parse(text)
 
 
 class Store:
@@ -94,15 +161,25 @@ class Store:
         if stamp == self._stamp:
             return
         try:
-            self._data = validate(json.loads(self.path.read_text(encoding="utf-8")))
-        except (ValueError, UnicodeDecodeError) as problem:
-            aside = self.path.with_name(f"{FILE_NAME}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-            os.replace(self.path, aside)
+            self._data, dropped = read(self.path)
+        except ValueError as problem:
+            self._data, self._stamp = empty(), None
             log.warning("smemguard: %s was unreadable (%s); moved it to %s and starting a new one.",
-                        self.path, problem, aside)
-            self._data = empty()
-            stamp = None
+                        self.path, problem, self._move_aside())
+            return
         self._stamp = stamp
+        if dropped:
+            aside = self._move_aside()
+            self._write()
+            log.warning("smemguard: %s held %d entries smemguard cannot apply (%s%s); moved the file to %s and "
+                        "kept the %d usable ones.", self.path, len(dropped), dropped[0],
+                        "; ..." if len(dropped) > 1 else "", aside, sum(len(self._data[kind]) for kind in KINDS))
+
+    def _move_aside(self) -> Path:
+        """Keep the file as it is under a new name (nothing is lost); return that name."""
+        aside = self.path.with_name(f"{FILE_NAME}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(self.path, aside)
+        return aside
 
     def _write(self) -> None:
         fd, temporary = tempfile.mkstemp(prefix=".decisions-", dir=self.directory)
@@ -167,8 +244,13 @@ class Store:
             return json.loads(json.dumps(self._data))
 
     def merge(self, data: dict) -> tuple[int, int]:
-        """Add the entries of another decision file (``import``); returns (added, already there)."""
-        validate(data)
+        """Add the entries of another decision file (``import``); returns (added, already there).
+
+        ValueError, adding nothing, unless ``data`` is a decision file whose every entry recovery
+        can apply (:func:`usable` keeps those of a file that has others)."""
+        _, dropped = usable(validate(data))
+        if dropped:
+            raise ValueError(dropped[0] + (f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""))
         added = present = 0
         with self._lock, self._exclusive():
             self._refresh()

@@ -22,29 +22,121 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from . import untrusted
+from .report import Malformed, Record, read
 from .settings import Settings
+from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, integers, printable, shown
+
+#: Layers (autotuner, heuristics, a library's entry) between the recorded object and its JIT function.
+MAX_LAYERS = 8
 
 
 class ReplayError(Exception):
     """The record cannot be replayed here; the message says why and what to do."""
 
 
-def load(path: Path, index: int | None = None, kernel: str | None = None) -> dict:
-    """Record ``index`` (0-based; default the last) of ``path``, or the last one whose kernel contains ``kernel``."""
-    from .report import Malformed, read
+def load(path: Path, index: int | None = None, kernel: str | None = None,
+         malformed: list[Malformed] | None = None) -> Record:
+    """Record ``index`` (0-based; default the last) of ``path``, or the last one whose kernel contains ``kernel``.
 
-    malformed: list[Malformed] = []
+    Lines that are not incident records go to ``malformed`` and are not counted by ``index``."""
+    malformed = [] if malformed is None else malformed
     records = list(read([path], malformed))
     if kernel is not None:
-        records = [r for r in records if kernel in r["kernel"]]
+        records = [r for r in records if kernel in r.fields["kernel"]]
     if not records:
-        raise ReplayError(f"{path}: no incident record" + (f" for kernel {kernel!r}" if kernel else ""))
+        unreadable = next((bad.reason for bad in malformed if bad.line == 0), None)
+        raise ReplayError(f"{printable(str(path))}: " + (unreadable or "no incident record" + (
+            f" for kernel {shown(kernel)}" if kernel else "") + (
+            f" ({len(malformed)} lines skipped)" if malformed else "")))
     if index is None:
         return records[-1]
     if not -len(records) <= index < len(records):
-        raise ReplayError(f"{path}: --index {index} out of range; it holds {len(records)} records (0 to "
-                          f"{len(records) - 1})")
+        raise ReplayError(f"{printable(str(path))}: --index {index} out of range; it holds {len(records)} records "
+                          f"(0 to {len(records) - 1})")
     return records[index]
+
+
+def _kernel_name(value) -> bool:
+    module, _, qualname = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return all(part.isidentifier() for part in (*module.split("."), *qualname.split(".")))
+
+
+def _dtype(name: str):
+    import torch
+
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+TENSOR = {"shape": integers(0), "stride": integers(0), "dtype": Expect("a torch dtype such as torch.float16", _dtype),
+          "ptr_mod_16": Expect("an integer from 0 to 15", lambda value: integer(0).test(value) and value < 16)}
+DESCRIPTOR = {"base": OBJECT, "shape": integers(0), "strides": integers(0), "block_shape": integers(1)}
+
+#: What replay reads from a record (docs/INCIDENTS.md); ``args`` entries are checked by :func:`_argument_problems`.
+REQUIRED = {
+    "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
+    "args": OBJECT,
+    "constexprs": Expect("an object of constexpr values (numbers, text, true/false or null)", lambda value: (
+        isinstance(value, dict) and all(SCALAR.test(v) for v in value.values()))),
+    "grid": integers(0, range(1, 4)),
+    "num_warps": integer(1),
+    "num_stages": integer(0),
+    "config": TEXT,
+    "action": NAME,
+    "resource": NAME,
+    "required": integer(0),
+    "limit_hit": integer(1),
+    "device": OBJECT,
+}
+OPTIONAL = {"id": TEXT, "source": TEXT, "limit": Expect("an object {device, emulated} of byte counts", lambda value: (
+    isinstance(value, dict) and all(integer(0).or_null().test(value.get(k)) for k in ("device", "emulated"))))}
+DEVICE = {"backend": NAME, "arch": Expect("an integer or text", lambda value: isinstance(value, (int, str))
+                                          and not isinstance(value, bool))}
+
+
+def _tensor_problems(spec: dict, where: str) -> list[str]:
+    found = untrusted.problems(spec, TENSOR, prefix=where + ".")
+    if found:
+        return found
+    if len(spec["shape"]) != len(spec["stride"]):
+        return [f"{where!r} has {len(spec['shape'])} sizes and {len(spec['stride'])} strides"]
+    import torch
+
+    itemsize = torch.empty((), dtype=_dtype(spec["dtype"])).element_size()
+    if spec["ptr_mod_16"] % itemsize:
+        return [f"{where!r}: a {printable(spec['dtype'])} tensor cannot start {spec['ptr_mod_16']} bytes past a "
+                "16-byte boundary"]
+    return []
+
+
+def _argument_problems(name: str, value) -> list[str]:
+    where = f"args.{name}"
+    if isinstance(value, dict) and value.get("descriptor"):
+        found = untrusted.problems(value, DESCRIPTOR, prefix=where + ".")
+        return found or _tensor_problems(value["base"], where + ".base")
+    if isinstance(value, dict):
+        return _tensor_problems(value, where)
+    if isinstance(value, str):
+        return [f"{where!r} is {shown(value)}: the record kept this argument as text (smemguard records objects "
+                "it cannot describe that way), and replay cannot rebuild it"]
+    if not SCALAR.test(value):
+        return [f"{where!r} is {shown(value)}, expected a tensor {{shape, stride, dtype, ptr_mod_16}}, a TMA "
+                "descriptor or a number"]
+    return []
+
+
+def check(record) -> list[str]:
+    """One line per field of ``record`` that replay cannot use (none: it can be replayed)."""
+    if not isinstance(record, dict):
+        return [f"the record is {shown(record)}, expected an object"]
+    found = untrusted.problems(record, REQUIRED, OPTIONAL)
+    if isinstance(record.get("device"), dict):
+        found += untrusted.problems(record["device"], DEVICE, prefix="device.")
+    if isinstance(record.get("args"), dict):
+        for name, value in record["args"].items():
+            found += _argument_problems(name, value)
+    return found
 
 
 def import_kernel(name: str):
@@ -54,36 +146,50 @@ def import_kernel(name: str):
     module_name, _, qualname = name.partition(":")
     try:
         obj = importlib.import_module(module_name)
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise ReplayError(f"cannot import module {module_name!r} named by the record's kernel {name!r} "
-                          f"({type(error).__name__}: {error}). Run replay where that module is importable "
-                          "(same environment, PYTHONPATH).") from None
+                          f"({type(error).__name__}: {printable(str(error))}). Run replay where that module is "
+                          "importable (same environment, PYTHONPATH).") from None
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             raise ReplayError(f"module {module_name!r} has no {qualname!r} (the record's kernel {name!r})")
     jit = obj
-    while not isinstance(jit, JITFunction):
-        if not hasattr(jit, "fn"):
-            raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
-        jit = jit.fn
-    return obj, jit
+    for _ in range(MAX_LAYERS):
+        if isinstance(jit, JITFunction):
+            return obj, jit
+        jit = getattr(jit, "fn", None)
+    raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
+
+
+def _parameter_problems(jit, record: dict) -> list[str]:
+    """The record's arguments against the kernel's parameters (the kernel may have changed since)."""
+    given = {*record["args"], *record["constexprs"]}
+    unknown = sorted(given - set(jit.arg_names))
+    missing = [param.name for param in jit.params if param.name not in given and not param.has_default]
+    found = []
+    if unknown:
+        found.append(f"the record names {', '.join(map(shown, unknown))}, which the kernel has no parameter for")
+    if missing:
+        found.append(f"the record has no value for the kernel's {', '.join(missing)}")
+    if found:
+        found.append("the kernel's source is not the one the record was written for (source_hash "
+                     f"{shown(record.get('source_hash'))}); replay it where that version is installed")
+    return found
 
 
 def _tensor(spec: dict, device: str, generator):
     import torch
 
-    dtype = getattr(torch, spec["dtype"].removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ReplayError(f"unknown dtype {spec['dtype']!r} in the record")
+    dtype = _dtype(spec["dtype"])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if spec["ptr_mod_16"] % itemsize:
-        raise ReplayError(f"a {spec['dtype']} tensor at a pointer offset of {spec['ptr_mod_16']} bytes cannot be rebuilt")
     span = 1 + sum((size - 1) * stride for size, stride in zip(spec["shape"], spec["stride"])) if all(spec["shape"]) else 0
     offset = spec["ptr_mod_16"] // itemsize
     base = torch.empty(span + offset + 16, dtype=dtype, device=device)
     skip = (-base.data_ptr() % 16) // itemsize  # start from a 16-byte boundary, then add the recorded offset
-    if dtype.is_floating_point:
+    if generator is None:  # compiling only: the values are never read
+        pass
+    elif dtype.is_floating_point:
         base.uniform_(-1, 1, generator=generator)
     else:
         base.random_(0, 8, generator=generator)
@@ -101,17 +207,23 @@ def _descriptor(spec: dict, device: str, generator):
                             spec["block_shape"])
 
 
-def arguments(record: dict, device: str, seed: int = 0) -> dict:
-    """Every kernel parameter by name: fresh tensors (and TMA descriptors over them) as recorded (same seed,
-    same values), scalars, constexprs."""
+def arguments(record: dict, device: str, seed: int | None = 0) -> dict:
+    """Every kernel parameter by name: fresh tensors (and TMA descriptors over them) as recorded, scalars,
+    constexprs. Tensors hold random values from ``seed`` (same seed, same values); None leaves them unset."""
     import torch
 
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     named = {}
     for name, value in record["args"].items():
         if isinstance(value, dict):
             rebuild = _descriptor if value.get("descriptor") else _tensor
-            named[name] = rebuild(value, device, generator)
+            try:
+                named[name] = rebuild(value, device, generator)
+            except ReplayError:
+                raise
+            except Exception as error:  # too large to allocate, a descriptor Triton refuses
+                raise ReplayError(f"cannot rebuild argument {name!r} ({type(error).__name__}: "
+                                  f"{printable(str(error).splitlines()[0] if str(error) else '')[:200]})") from None
         else:
             named[name] = value
     named.update(record["constexprs"])
@@ -121,13 +233,25 @@ def arguments(record: dict, device: str, seed: int = 0) -> dict:
 def _launcher(jit, record: dict, device: str) -> Callable[[], dict]:
     grid = tuple(record["grid"])
     options = {"num_warps": record["num_warps"], "num_stages": record["num_stages"]}
+    seed = None if device == "cpu" else 0
 
     def launch() -> dict:
-        named = arguments(record, device)
+        named = arguments(record, device, seed)
         jit[grid](**named, **options)
         return named
 
     return launch
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {printable(text.splitlines()[0][:200])}" if text else type(error).__name__
+
+
+def _launch_failed(error: Exception) -> ReplayError:
+    return ReplayError(f"the recorded launch fails here ({_first_line(error)}); "
+                       "replay needs the Triton and kernel versions the record was written with "
+                       "(its 'triton' and 'source_hash' fields)")
 
 
 def _limit_line(record: dict) -> str:
@@ -137,16 +261,23 @@ def _limit_line(record: dict) -> str:
 
 
 def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
-    """Run ``record`` again; ``say`` prints each step. Returns the exit status."""
+    """Run ``record`` again; ``say`` prints each step. Returns the exit status (0: reproduced and
+    recovered, or nothing to reproduce; 1: not as recorded). ReplayError when it cannot be replayed."""
     import torch
 
+    found = check(record)
+    if found:
+        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
     obj, jit = import_kernel(record["kernel"])
+    found = _parameter_problems(jit, record)
+    if found:
+        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
     limit = limit or record["limit_hit"]
-    say(f"record {record.get('id', '?')}: {record['kernel']} ({record.get('source', '?')}), {record['resource']} "
-        f"{record['required']} B > {_limit_line(record)}")
-    say(f"  config {record['config']}, grid {record['grid']}, action then: {record['action']}")
+    say(f"record {printable(record.get('id', '?'))}: {record['kernel']} ({printable(record.get('source', '?'))}), "
+        f"{printable(record['resource'])} {record['required']} B > {_limit_line(record)}")
+    say(f"  config {printable(record['config'])}, grid {record['grid']}, action then: {printable(record['action'])}")
     if record["resource"] != "shared memory":
-        say(f"  note: replay emulates shared memory only; this record is about {record['resource']}")
+        say(f"  note: replay emulates shared memory only; this record is about {printable(record['resource'])}")
     if torch.cuda.is_available():
         return _replay_on_gpu(jit, record, limit, say)
     return _replay_compile_only(obj, jit, record, limit, say)
@@ -191,9 +322,9 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
     from .testing import fake_gpu
 
     arch = record["device"]["arch"]
-    if record["device"].get("backend") != "cuda" or not isinstance(arch, int):
+    if record["device"]["backend"] != "cuda" or not isinstance(arch, int):
         raise ReplayError(f"no GPU here, and only NVIDIA targets compile without one (the record has "
-                          f"{record['device'].get('backend')} {arch})")
+                          f"{shown(record['device']['backend'])} {shown(arch)})")
     say(f"no GPU: compiling for sm_{arch} on a stand-in device with a {limit} B limit (nothing executes)")
     launch = _launcher(jit, record, "cpu")
     with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch, fake_gpu(arch, max_shared=limit):
@@ -201,18 +332,22 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
             launch()
             say("  the recorded config fits this limit: nothing to reproduce")
             reproduced = None
+        except ReplayError:
+            raise
         except OutOfResources as error:
             reproduced = error
             same = "same as recorded" if error.required == record["required"] else f"recorded {record['required']} B"
             say(f"  reproduced: OutOfResources {error.name}, required {error.required} B, limit {error.limit} B ({same})")
+        except Exception as error:
+            raise _launch_failed(error) from None
         if reproduced is not None:
             outcome, incident = _guarded(Settings(log_path=Path(scratch) / "replay.jsonl"), launch)
             _show_attempts(incident, say)
             if isinstance(outcome, Exception):
-                say(f"  the launch still fails: {type(outcome).__name__}")
+                say(f"  the launch still fails: {_first_line(outcome)}")
         if obj is not jit and hasattr(obj, "configs"):
             say(f"  {type(obj).__name__} configs, compiled for this specialization:")
-            named = arguments(record, "cpu")
+            named = arguments(record, "cpu", seed=None)
             for config in obj.configs:
                 untuned = {name: value for name, value in named.items() if name not in config.kwargs}
                 try:
@@ -234,8 +369,13 @@ def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:
     reference = None
     if record["required"] <= device_limit:
         jit.device_caches.clear()
-        reference = launch()
-        torch.cuda.synchronize()
+        try:
+            reference = launch()
+            torch.cuda.synchronize()
+        except ReplayError:
+            raise
+        except Exception as error:
+            raise _launch_failed(error) from None
         say("  original config run without emulation: reference output kept")
     with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch:
         log_path = Path(scratch) / "replay.jsonl"
@@ -251,7 +391,7 @@ def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:
                                      launch)
         _show_attempts(incident, say)
         if isinstance(outcome, Exception):
-            say(f"  not recovered: {type(outcome).__name__}: {str(outcome).splitlines()[0]}")
+            say(f"  not recovered: {_first_line(outcome)}")
             return 1
         torch.cuda.synchronize()
     if reference is None:

@@ -63,6 +63,10 @@ class Settings:
     def observe_only(self) -> bool:
         return self.mode == "observe"
 
+    def ignored(self, var: str) -> bool:
+        """Whether the value of ``var`` was rejected (and replaced by the default): its line is in ``problems``."""
+        return any(problem.startswith(f"{var}=") for problem in self.problems)
+
     def describe_limit(self) -> str:
         if self.max_shared is None:
             return "shared-memory limit from the device"
@@ -120,17 +124,28 @@ def _unwritable_reason(path: Path) -> str | None:
     return None
 
 
+def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]:
+    """The path ``value`` names (``~`` expanded), and why it cannot be written as a file (or as a
+    directory), None when it can. Never raises: every reason is a problem line."""
+    try:
+        path = Path(value.strip()).expanduser()
+    except RuntimeError:  # ~user, and no such user
+        return None, "no such user's home directory"
+    try:
+        if path.is_file() if directory else path.is_dir():
+            return path, "is a file" if directory else "is a directory"
+        return path, _unwritable_reason(path)
+    except OSError as error:  # a name too long for the file system
+        return path, error.strerror or str(error)
+
+
 def _parse_log(value: str | None, problems: list[str]) -> Path | None:
     if value is None or value.strip() == "":
         return None
-    path = Path(value.strip()).expanduser()
-    accepted = "a writable file path, e.g. /var/log/smemguard/incidents.jsonl"
-    if path.is_dir():
-        problems.append(_problem(LOG, value, "is a directory", accepted))
-        return None
-    reason = _unwritable_reason(path)
+    path, reason = _checked_path(value, directory=False)
     if reason:
-        problems.append(_problem(LOG, value, reason, accepted) + " Incidents go to the log only.")
+        problems.append(_problem(LOG, value, reason, "a writable file path, e.g. /var/log/smemguard/incidents.jsonl")
+                        + " Incidents go to the log only.")
         return None
     return path
 
@@ -161,8 +176,7 @@ def _parse_cache_dir(value: str | None, environ: Mapping[str, str], problems: li
     default = _default_cache_dir(environ)
     if value is None or value.strip() == "":
         return default
-    path = Path(value.strip()).expanduser()
-    reason = "is a file" if path.is_file() else _unwritable_reason(path)
+    path, reason = _checked_path(value, directory=True)
     if reason:
         problems.append(_problem(CACHE_DIR, value, reason, f"a writable directory, or off (default {default})"))
         return default

@@ -1,20 +1,89 @@
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
 
-from smemguard import cli
+import pytest
+
+from smemguard import cli, gpus
+
+from conftest import ROOT, records
 
 
-def test_demo_shows_the_overflow_and_the_recovery(capsys):
+def _one_gpu_per_target_and_limit() -> list[str]:
+    """Every NVIDIA GPU of the table compiles and fails exactly like the first one of its (arch, limit)."""
+    seen = {}
+    for gpu in gpus.GPUS:
+        if gpu.capability is not None:
+            seen.setdefault((gpu.capability, gpu.max_shared), gpu.name)
+    return list(seen.values())
+
+
+@pytest.fixture
+def clean_tmp(tmp_path, monkeypatch):
+    """tempfile's directory, empty, for this test: what the command leaves there is left over."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
+
+
+def test_demo_shows_the_overflow_and_the_recovery(capsys, clean_tmp):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
+    assert "1. autotune a 512x512 fp16 matmul over 2 configs on misaligned views\n" in out
     assert "OutOfResources: shared memory, Required: 131072, Hardware limit: 101376" in out
     assert "-> ran with 4 stages, 98304 B, grid (4, 4, 1)" in out
     assert "action       stages_reduced" in out
-    assert "num_stages=5: 131072 B; num_stages=4: 98304 B" in out
+    assert "attempts     BLOCK_M=128 BLOCK_N=128 BLOCK_K=64 num_warps=4 num_stages=5: 131072 B\n" in out
+    assert "\n               num_stages=4: 98304 B\n" in out, "later attempts name what they changed"
+    assert "a temporary file, now removed" in out
+    assert list(clean_tmp.iterdir()) == [], "the demo leaves nothing behind"
+
+
+@pytest.mark.parametrize("gpu", [name for name in _one_gpu_per_target_and_limit() if name != "L4"])
+def test_demo_overflows_and_recovers_on_every_gpu(capsys, gpu):
+    """T4 and V100 have no asynchronous copies (a config tuned on an A100 overflows them); the others
+    multi-buffer aligned loads only (the autotune trap)."""
+    assert cli.main(["demo", "--gpu", gpu]) == 0
+    out = capsys.readouterr().out
+    limit = gpus.lookup(gpu).max_shared
+    assert f"Hardware limit: {limit}" in out and "-> ran with" in out
+    action = "config_changed" if gpus.lookup(gpu).capability < 80 else "stages_reduced"
+    assert f"action       {action}" in out
+    if action == "config_changed":
+        assert "on a stand-in A100 (tuned elsewhere)" in out
 
 
 def test_demo_rejects_a_gpu_it_cannot_stand_in_for(capsys):
     assert cli.main(["demo", "--gpu", "MI300X"]) == 2
     assert "not an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_demo_appends_its_record_to_smemguard_log(tmp_path, monkeypatch, capsys, clean_tmp):
+    log = tmp_path / "incidents.jsonl"
+    log.write_text('{"kept": "as it was"}\n')
+    monkeypatch.setenv("SMEMGUARD_LOG", str(log))
+    monkeypatch.setenv("SMEMGUARD_MAX_SHARED", "T4")
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert f"incident record ({log}):" in out and "(SMEMGUARD_MAX_SHARED does not apply here" in out
+    kept, record = records(log)
+    assert kept == {"kept": "as it was"} and record["action"] == "stages_reduced"
+    assert list(clean_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode, after", [("observe", "observe mode records the incident and changes nothing"),
+                                         ("off", "smemguard is off, nothing installed")])
+def test_demo_honours_smemguard_mode(monkeypatch, capsys, mode, after):
+    monkeypatch.setenv("SMEMGUARD", mode)
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert f"3. the same launch with smemguard installed (SMEMGUARD={mode})" in out
+    assert f"-> OutOfResources again: {after}" in out and "4. again" not in out
+    assert ("action       observed" in out) == (mode == "observe")
 
 
 def test_gpus_table_and_json(capsys):
@@ -27,8 +96,51 @@ def test_gpus_table_and_json(capsys):
     assert {"name": "T4", "aliases": [], "arch": "sm_75", "max_shared": 65536} in table
 
 
-def test_help_teaches_the_commands_and_settings(capsys):
+def test_help_teaches_the_commands_settings_and_exit_statuses(capsys):
     assert cli.main([]) == 2
     out = capsys.readouterr().out
-    for text in ("demo", "gpus", "VLLM_PLUGINS=smemguard", "SMEMGUARD_MAX_SHARED", "examples:"):
+    for text in ("demo", "gpus", "VLLM_PLUGINS=smemguard", "SMEMGUARD_MAX_SHARED", "examples:", "exit status",
+                 "2 bad input"):
         assert text in out
+    for command in ("demo", "gpus", "report", "replay", "cache", "check"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert "xit status" in capsys.readouterr().out, command
+
+
+def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys):
+    monkeypatch.setenv("SMEMGUARD", "bogus")
+    monkeypatch.setenv("SMEMGUARD_CACHEDIR", "/tmp")
+    assert cli.main(["gpus"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("GPU")
+    assert err.splitlines() == [
+        "smemguard: SMEMGUARD='bogus' ignored: unknown mode; accepted: on | off | observe | strict. Using the default.",
+        "smemguard: SMEMGUARD_CACHEDIR is not a smemguard setting (did you mean SMEMGUARD_CACHE_DIR?); known: "
+        "SMEMGUARD, SMEMGUARD_MAX_SHARED, SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR, SMEMGUARD_METRICS_FILE."]
+
+
+def test_strict_mode_stops_every_command_on_a_bad_setting(monkeypatch, capsys):
+    monkeypatch.setenv("SMEMGUARD", "strict")
+    monkeypatch.setenv("SMEMGUARD_MAX_SHARED", "a lot")
+    assert cli.main(["gpus"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines()[-1] == "smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above"
+
+
+def test_the_cli_hides_torchs_numpy_warning_and_nothing_else(tmp_path):
+    """torch warns at import without NumPy; the filter is the CLI's own and ends with the command."""
+    filters = list(warnings.filters)
+    assert cli.main(["gpus"]) == 0
+    assert warnings.filters == filters
+    record = tmp_path / "i.jsonl"
+    record.write_text(json.dumps({"kernel": "m:k", "action": "x", "args": {"a": {"shape": [1], "stride": [1],
+                                                                                 "dtype": "torch.float16",
+                                                                                 "ptr_mod_16": 1}}}) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
+    result = subprocess.run([sys.executable, "-m", "smemguard.cli", "replay", str(record)], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "torch.float16 tensor cannot start 1 bytes past a 16-byte boundary" in result.stderr, "torch was imported"
+    assert "NumPy" not in result.stderr and "Traceback" not in result.stderr

@@ -15,19 +15,27 @@ from smemguard.patches import jit_compile
 
 from conftest import ROOT, TESTS, records
 
+#: Entries as recovery stores them, less the fields that only identify the case.
+RERAISED = {"action": "reraised", "reason": "nothing fits"}
+FALLBACK = {"action": "fallback", "fallback": "m:f"}
+
+
+def stages(count: int) -> dict:
+    return {"action": "stages_reduced", "options": {"num_stages": count}}
+
 
 def test_first_decision_stored_for_a_case_wins(tmp_path):
     store = decisions.Store(tmp_path)
-    first = store.put("compile", "case", {"options": {"num_stages": 3}})
-    assert store.put("compile", "case", {"options": {"num_stages": 2}}) == first
-    assert decisions.Store(tmp_path).get("compile", "case") == {"options": {"num_stages": 3}}, "on disk for others"
+    first = store.put("compile", "case", stages(3))
+    assert store.put("compile", "case", stages(2)) == first
+    assert decisions.Store(tmp_path).get("compile", "case") == stages(3), "on disk for others"
 
 
 def test_a_change_by_another_process_is_seen(tmp_path):
     mine, theirs = decisions.Store(tmp_path), decisions.Store(tmp_path)
     assert mine.get("launch", "case") is None
-    theirs.put("launch", "case", {"action": "reraised"})
-    assert mine.get("launch", "case") == {"action": "reraised"}
+    theirs.put("launch", "case", RERAISED)
+    assert mine.get("launch", "case") == RERAISED
 
 
 def test_reading_a_cache_nobody_wrote_touches_nothing(tmp_path):
@@ -36,8 +44,8 @@ def test_reading_a_cache_nobody_wrote_touches_nothing(tmp_path):
     store = decisions.Store(directory)
     assert store.get("compile", "case") is None and store.get("launch", "case") is None
     assert not directory.exists()
-    decisions.Store(directory).put("compile", "case", {"options": {"num_stages": 3}})
-    assert store.get("compile", "case") == {"options": {"num_stages": 3}}, "a file written since is read"
+    decisions.Store(directory).put("compile", "case", stages(3))
+    assert store.get("compile", "case") == stages(3), "a file written since is read"
 
 
 @pytest.mark.parametrize("content, problem", [("{not json", "Expecting property name"),
@@ -47,13 +55,13 @@ def test_corrupt_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, caplo
     store = decisions.Store(tmp_path)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
         assert store.get("compile", "case") is None
-        store.put("compile", "case", {"options": {"num_stages": 1}})
-        assert store.get("compile", "case") == {"options": {"num_stages": 1}}
+        store.put("compile", "case", stages(1))
+        assert store.get("compile", "case") == stages(1)
     [line] = [r.getMessage() for r in caplog.records]
     assert problem in line and "moved it to" in line
     [aside] = tmp_path.glob("decisions.json.bad-*")
     assert aside.read_text() == content, "nothing is lost"
-    assert json.loads((tmp_path / "decisions.json").read_text())["compile"]["case"] == {"options": {"num_stages": 1}}
+    assert json.loads((tmp_path / "decisions.json").read_text())["compile"]["case"] == stages(1)
 
 
 def test_unusable_directory_warns_once_and_keeps_decisions_in_memory(tmp_path, caplog):
@@ -61,23 +69,23 @@ def test_unusable_directory_warns_once_and_keeps_decisions_in_memory(tmp_path, c
     blocked.write_text("a file, not a directory")
     store = decisions.Store(blocked)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
-        store.put("compile", "a", {"options": {"num_stages": 2}})
-        store.put("compile", "b", {"options": {"num_stages": 1}})
-        assert store.get("compile", "a") == {"options": {"num_stages": 2}}
+        store.put("compile", "a", stages(2))
+        store.put("compile", "b", stages(1))
+        assert store.get("compile", "a") == stages(2)
     [line] = [r.getMessage() for r in caplog.records]
     assert "cannot use the decision cache" in line and "SMEMGUARD_CACHE_DIR" in line
 
 
 def test_export_import_round_trip(tmp_path):
     source = decisions.Store(tmp_path / "a")
-    source.put("compile", "x", {"options": {"num_stages": 2}})
-    source.put("launch", "y", {"action": "reraised"})
+    source.put("compile", "x", stages(2))
+    source.put("launch", "y", RERAISED)
     exported = source.snapshot()
     target = decisions.Store(tmp_path / "b")
-    target.put("launch", "y", {"action": "fallback"})
+    target.put("launch", "y", FALLBACK)
     assert target.merge(exported) == (1, 1)
-    assert target.get("compile", "x") == {"options": {"num_stages": 2}}
-    assert target.get("launch", "y") == {"action": "fallback"}, "what a host learned itself is kept"
+    assert target.get("compile", "x") == stages(2)
+    assert target.get("launch", "y") == FALLBACK, "what a host learned itself is kept"
     assert target.clear() == 2 and target.snapshot() == decisions.empty()
     with pytest.raises(ValueError, match="schema"):
         target.merge({"schema": 0})

@@ -52,7 +52,7 @@ def test_report_over_mixed_partly_corrupt_files(tmp_path, real_record, capsys):
     rank1 = write(tmp_path / "rank1.jsonl.gz", [variant(real_record, time="2026-11-30T04:00:00+0000",
                                                         action="fallback"),
                                                 variant(real_record, kernel="other:kernel", resource="threads")])
-    assert cli.main(["report", str(rank0), str(rank1)]) == 0
+    assert cli.main(["report", str(rank0), str(rank1)]) == 2, "some input was bad: the table counts the rest"
     out, err = capsys.readouterr()
     header, first, second = out.splitlines()
     assert header.split()[:5] == ["kernel", "resource", "GPU", "count", "shapes"]
@@ -61,7 +61,7 @@ def test_report_over_mixed_partly_corrupt_files(tmp_path, real_record, capsys):
     assert "2026-11-30T03:00:00+0000" in first and "2026-11-30T04:00:00+0000" in first
     assert second.startswith("other:kernel")
     assert f"{rank0}:3: not JSON" in err and f"{rank0}:4: not an incident record" in err
-    assert "2 malformed line(s) skipped" in err
+    assert "2 line(s) not fully used" in err and "Traceback" not in err
 
 
 def test_report_json_and_filters(tmp_path, real_record, capsys):
@@ -113,7 +113,8 @@ def test_cache_show_export_import_clear(tmp_path, capsys):
     here, there = tmp_path / "here", tmp_path / "there"
     decisions.Store(here).put("compile", "case", {"kernel": "m:k", "gpu": "NVIDIA L4", "limit": 101376,
                                                   "from_config": "BLOCK_M=128 num_stages=5",
-                                                  "action": "stages_reduced", "final": "num_stages=4"})
+                                                  "action": "stages_reduced", "final": "num_stages=4",
+                                                  "options": {"num_stages": 4}})
     assert cli.main(["cache", "show", "--dir", str(here)]) == 0
     assert "m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced num_stages=4" in \
         capsys.readouterr().out
@@ -126,4 +127,124 @@ def test_cache_show_export_import_clear(tmp_path, capsys):
     assert decisions.Store(there).get("compile", "case") is None
     (tmp_path / "junk.json").write_text("[]")
     assert cli.main(["cache", "import", str(tmp_path / "junk.json"), "--dir", str(there)]) == 2
-    assert "not a smemguard decision file" in capsys.readouterr().err
+    assert "not a smemguard decision file (not a JSON object but [])" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("resource", None), ("time", 5), ("recovery_ms", "fast"), ("device", "x"),
+                                          ("args", {"a_ptr": {"shape": "wide"}})])
+def test_report_counts_a_record_with_a_wrong_field_without_that_field(tmp_path, real_record, capsys, field, value):
+    path = write(tmp_path / "i.jsonl", [variant(real_record, **{field: value}), real_record])
+    assert cli.main(["report", str(path)]) == 2
+    [line, summary] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"smemguard report: {path}:1: {field!r} is ") and line.endswith("; counted without it")
+    assert summary.startswith("smemguard report: 1 line(s) not fully used")
+    assert cli.main(["report", str(path), "--json"]) == 2
+    assert sum(row["count"] for row in json.loads(capsys.readouterr().out)["rows"]) == 2, "both records counted"
+
+
+def test_report_skips_a_record_whose_kernel_is_not_a_name(tmp_path, real_record, capsys):
+    path = write(tmp_path / "i.jsonl", [variant(real_record, kernel=42), real_record])
+    assert cli.main(["report", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert " 1 " in out.splitlines()[1], "the other record is counted"
+    assert f"{path}:1: not an incident record: 'kernel' is 42, expected non-empty text; line skipped" in err
+
+
+def test_report_of_a_missing_file_is_bad_input(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nowhere.jsonl")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "no incident records\n"
+    assert err == f"smemguard report: {tmp_path / 'nowhere.jsonl'}: no such file\n"
+
+
+@pytest.mark.parametrize("field", ["args", "grid", "config", "constexprs", "device", "num_stages"])
+def test_replay_names_a_missing_field(tmp_path, real_record, capsys, field):
+    record = {name: value for name, value in real_record.items() if name != field}
+    path = write(tmp_path / "i.jsonl", [record])
+    assert cli.main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1: cannot replay this record:\n  no {field!r} field (" in err
+    assert "fix: replay another record" in err
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("args", {"a_ptr": "<object at 0x7f>"},
+     "'args.a_ptr' is \"<object at 0x7f>\": the record kept this argument as text"),
+    ("grid", "<lambda>", "'grid' is \"<lambda>\", expected a list of integers >= 0 (1 to 3 of them)"),
+    ("device", {"backend": "cuda"}, "no 'device.arch' field"),
+    ("num_stages", "4", "'num_stages' is \"4\", expected an integer >= 0"),
+    ("kernel", "not a kernel", "'kernel' is \"not a kernel\", expected module:qualname of a Triton kernel"),
+])
+def test_replay_names_a_field_of_the_wrong_type(tmp_path, real_record, capsys, field, value, problem):
+    path = write(tmp_path / "i.jsonl", [variant(real_record, **{field: value})])
+    assert cli.main(["replay", str(path)]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_replay_names_parameters_the_kernel_does_not_have(tmp_path, real_record, capsys):
+    args = {**real_record["args"], "stride_zz": 1}
+    del args["M"]
+    path = write(tmp_path / "i.jsonl", [variant(real_record, args=args)])
+    assert cli.main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the record names \"stride_zz\", which the kernel has no parameter for" in err
+    assert "the record has no value for the kernel's M" in err
+
+
+def test_replay_of_a_missing_file_is_bad_input(tmp_path, capsys):
+    assert cli.main(["replay", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert capsys.readouterr().err == f"smemguard replay: {tmp_path / 'nowhere.jsonl'}: no such file\n"
+
+
+DECISION = {"kernel": "m:k", "gpu": "NVIDIA L4", "limit": 101376, "from_config": "BLOCK_M=128 num_stages=5",
+            "action": "stages_reduced", "final": "num_stages=4", "options": {"num_stages": 4}}
+
+
+def test_cache_import_skips_entries_that_are_not_decisions_and_show_still_reads(tmp_path, capsys):
+    incoming = tmp_path / "fleet.json"
+    incoming.write_text(json.dumps({"schema": 1, "compile": {"good": DECISION, "bad": "not a decision"},
+                                    "launch": {"odd": {**DECISION, "action": "config_changed"}}}))
+    assert cli.main(["cache", "import", str(incoming), "--dir", str(tmp_path / "cache")]) == 2
+    out, err = capsys.readouterr()
+    assert "imported 1 decisions" in out
+    assert f'{incoming}: compile entry "bad": the entry is "not a decision", expected an object; not imported' in err
+    assert f'{incoming}: launch entry "odd": \'action\' is "config_changed"' not in err, "a launch table may hold it"
+    assert f'{incoming}: launch entry "odd": no \'config\' field' in err
+    assert cli.main(["cache", "show", "--dir", str(tmp_path / "cache")]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1] == "  m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced " \
+                                  "num_stages=4" and err == ""
+
+
+def test_a_bad_cache_dir_setting_is_refused_and_the_default_cache_kept(tmp_path, monkeypatch, capsys):
+    """SMEMGUARD_CACHE_DIR=/etc/hostname once made 'cache clear' empty the default cache without a word."""
+    default = tmp_path / "xdg" / "smemguard"
+    decisions.Store(default).put("compile", "case", DECISION)
+    kept = (default / "decisions.json").read_bytes()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    hostname = tmp_path / "hostname"
+    hostname.write_text("box\n")
+    monkeypatch.setenv("SMEMGUARD_CACHE_DIR", str(hostname))
+    exported = tmp_path / "out.json"
+    for action in (["clear"], ["show"], ["export", str(exported)], ["import", str(default / "decisions.json")]):
+        assert cli.main(["cache", *action]) == 2, action
+        setting, refusal = capsys.readouterr().err.splitlines()
+        assert setting.startswith(f"smemguard: SMEMGUARD_CACHE_DIR='{hostname}' ignored: is a file")
+        assert refusal.startswith(f"smemguard cache {action[0]}: SMEMGUARD_CACHE_DIR is not usable (see above), so "
+                                  "nothing was touched")
+    assert (default / "decisions.json").read_bytes() == kept and hostname.read_text() == "box\n"
+    assert not exported.exists()
+
+
+def test_cache_commands_change_nothing_in_a_file_that_is_not_theirs(tmp_path, capsys):
+    foreign = tmp_path / "decisions.json"
+    foreign.write_text('{"my": "own data"}')
+    for action in (["clear"], ["show"], ["import", str(foreign)]):
+        assert cli.main(["cache", *action, "--dir", str(tmp_path)]) == 2
+        assert "is not a smemguard decision file (schema null, expected 1); nothing" in capsys.readouterr().err
+    assert foreign.read_text() == '{"my": "own data"}' and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["decisions.json"]
+    assert cli.main(["cache", "clear", "--dir", str(tmp_path / "new")]) == 0
+    assert "nothing to forget" in capsys.readouterr().out and not (tmp_path / "new").exists()
+    assert cli.main(["cache", "show", "--dir", str(foreign)]) == 2
+    assert "is a file, not a cache directory" in capsys.readouterr().err
