@@ -25,7 +25,7 @@ smemguard.install() in your own program. These commands help you see what it doe
 EPILOG = """\
 examples:
   smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
-  smemguard demo --gpu T4        the same against a T4's 65536-byte limit
+  smemguard demo --gpu T4        a T4's 65536-byte limit, against a config tuned on an A100
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
   smemguard check --examples --gpu L4,A100,H100   which configs of the example kernels overflow which GPU
   smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
