@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import itertools
@@ -25,7 +26,7 @@ smemguard.install() in your own program. These commands help you see what it doe
 EPILOG = """\
 examples:
   smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
-  smemguard demo --gpu T4        the same against a T4's 65536-byte limit
+  smemguard demo --gpu T4        a T4's 65536-byte limit, against a config tuned on an A100
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
   smemguard check --examples --gpu L4,A100,H100   which configs of the example kernels overflow which GPU
   smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
@@ -106,6 +107,40 @@ def _stages(count: int) -> str:
     return f"{count} stage" + ("" if count == 1 else "s")
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoScenario:
+    """How the demo makes an autotuned matmul's cached winner overflow one GPU."""
+
+    tuned_on: gpus.Gpu  # where the autotuner timed the configs and chose the winner
+    misaligned: bool  # tuned on misaligned views of the launch's shape (else on the same tensors)
+    dtype: str  # of the matmul's tensors: "fp16", "fp32"
+    configs: list  # [the winner, which overflows the GPU at the launch, a config that fits]
+
+
+def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
+    """The demo's configs for ``gpu`` (an NVIDIA GPU of :mod:`smemguard.gpus`); the tests run each.
+
+    From sm_80 on, Triton multi-buffers the operand tiles in shared memory through asynchronous
+    copies, which need 16-byte-aligned pointers: tuned on misaligned views, the 5-stage winner
+    fits (fp16 128x128x64: 81920 B on sm_89), and on aligned tensors of the same shape, the same
+    autotune key, it overflows (131072 B > 101376; 128x256x64 for the 160+ KiB GPUs); 4 stages
+    fit. The V100 and the T4 have no asynchronous copies: shared memory holds one tile of each
+    operand whatever the alignment and the stage count, so the winner is one chosen on an A100, as
+    a tuning result carried to another GPU (a tuning database, a config file) would be: fp32
+    32x32x512, 131072 B, which fits the A100's 166912 B (fp32 keeps the tile, and the compile, small).
+    Measured on Triton 3.4, 3.6 and 3.9.
+    """
+    import triton
+
+    def config(block_m, block_n, block_k, stages):
+        return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), num_stages=stages, num_warps=4)
+
+    if gpu.capability >= 80:
+        block_n = 256 if gpu.max_shared > 160000 else 128
+        return DemoScenario(gpu, True, "fp16", [config(128, block_n, 64, 5), config(64, block_n // 2, 32, 2)])
+    return DemoScenario(gpus.lookup("A100"), False, "fp32", [config(32, 32, 512, 1), config(32, 32, 64, 1)])
+
+
 def _demo(args) -> int:
     gpu = gpus.lookup(args.gpu)
     if gpu is None or gpu.capability is None:
@@ -113,14 +148,12 @@ def _demo(args) -> int:
         print(f"smemguard demo: {args.gpu!r} is not an NVIDIA GPU from 'smemguard gpus' (the stand-in compiles "
               f"for NVIDIA targets only); one of: {known}", file=sys.stderr)
         return 2
-    import dataclasses
-
     import torch
     import triton
     from triton.runtime.errors import OutOfResources
 
     import smemguard
-    from .examples import autotuned_matmul, demo_scenario, matmul_args, tiled_grid
+    from .examples import autotuned_matmul, matmul_args, tiled_grid
     from .settings import MAX_SHARED, MODE, SettingsError
     from .testing import fake_gpu
 
@@ -351,10 +384,11 @@ def _import(command: str, store, source: Path) -> int:
     from . import decisions
 
     shown_source = untrusted.printable(str(source))
-    text, problem = untrusted.read_text(source)
+    text, unreadable = untrusted.read_text(source)
+    if unreadable is not None:
+        print(f"{command}: {unreadable}; nothing imported", file=sys.stderr)
+        return 2
     try:
-        if problem is not None:
-            raise ValueError(problem)
         data, dropped = decisions.parse(text)
     except ValueError as error:
         print(f"{command}: {shown_source} is not a smemguard decision file ({error}); nothing imported. Fix: "

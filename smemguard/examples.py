@@ -1,11 +1,7 @@
 """Example Triton kernels shipped with smemguard, for the demo and for trying the guard out."""
 
-from dataclasses import dataclass
-
 import triton
 import triton.language as tl
-
-from . import gpus
 
 
 @triton.jit
@@ -159,34 +155,3 @@ SMEMGUARD_PREFLIGHT = {
     },
     "attention_fwd": {"dtype": "fp16", "signature": {"sm_scale": "fp32"}, "constants": {"HEAD_DIM": 128}},
 }
-
-
-@dataclass(frozen=True)
-class DemoScenario:
-    """How ``smemguard demo`` makes an autotuned matmul's cached winner overflow one GPU."""
-
-    tuned_on: gpus.Gpu  # where the autotuner timed the configs and chose the winner
-    misaligned: bool  # tuned on misaligned views of the launch's shape (else on the same tensors)
-    dtype: str  # of the matmul's tensors: "fp16", "fp32"
-    configs: list  # [the winner, which overflows the GPU at the launch, a config that fits]
-
-
-def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
-    """The demo's configs for ``gpu`` (an NVIDIA GPU of :mod:`smemguard.gpus`); the tests run each.
-
-    From sm_80 on, Triton multi-buffers the operand tiles in shared memory through asynchronous
-    copies, which need 16-byte-aligned pointers: tuned on misaligned views, the 5-stage winner
-    fits (fp16 128x128x64: 81920 B on sm_89), and on aligned tensors of the same shape, the same
-    autotune key, it overflows (131072 B > 101376; 128x256x64 for the 160+ KiB GPUs); 4 stages
-    fit. The V100 and the T4 have no asynchronous copies: shared memory holds one tile of each
-    operand whatever the alignment and the stage count, so the winner is one chosen on an A100, as
-    a tuning result carried to another GPU (a tuning database, a config file) would be: fp32
-    32x32x512, 131072 B, which fits the A100's 166912 B (fp32 keeps the tile, and the compile, small).
-    """
-    def config(block_m, block_n, block_k, stages):
-        return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), num_stages=stages, num_warps=4)
-
-    if gpu.capability >= 80:
-        block_n = 256 if gpu.max_shared > 160000 else 128
-        return DemoScenario(gpu, True, "fp16", [config(128, block_n, 64, 5), config(64, block_n // 2, 32, 2)])
-    return DemoScenario(gpus.lookup("A100"), False, "fp32", [config(32, 32, 512, 1), config(32, 32, 64, 1)])

@@ -48,7 +48,7 @@ def budget(name: str):
 RECORD = {
     "schema": 1, "id": "26437-1", "time": "2026-11-30T08:25:31+0000", "pid": 26437, "host": "vm", "rank": None,
     "kernel": "smemguard.examples:matmul_kernel", "launched_as": "JITFunction",
-    "source": "smemguard/examples.py:11", "source_hash": "c87c6cc56c8208e9", "triton": "3.9.0",
+    "source": "smemguard/examples.py:7", "source_hash": "c87c6cc56c8208e9", "triton": "3.9.0",
     "device": {"arch": 89, "backend": "cuda", "index": 0, "name": None},
     "limit": {"device": 40000, "emulated": None}, "resource": "shared memory", "required": 49152,
     "limit_hit": 40000, "constexprs": {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4,
