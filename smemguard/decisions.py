@@ -67,7 +67,8 @@ def validate(data: Any) -> dict:
 
 #: The actions recovery stores in each table (recovery.py's names): option-only changes of one
 #: compiled variant; another config, the fallback, or "nothing fits" for a launch.
-ACTIONS = {"compile": ("stages_reduced", "warps_reduced"), "launch": ("config_changed", "fallback", "reraised")}
+ACTIONS = {"compile": (ladder.STAGES_REDUCED, ladder.WARPS_REDUCED),
+           "launch": (ladder.CONFIG_CHANGED, ladder.FALLBACK, ladder.RERAISED)}
 
 _OPTIONS = Expect("an object of num_stages and num_warps values (positive integers)", lambda value: (
     isinstance(value, dict) and len(value) > 0
@@ -75,8 +76,9 @@ _OPTIONS = Expect("an object of num_stages and num_warps values (positive intege
 _CONFIG = {"kwargs": OBJECT, "num_warps": integer(1), "num_stages": integer(0), "num_ctas": integer(1),
            "maxnreg": integer(1).or_null()}
 #: Per action, what recovery reads from the entry to apply it.
-_NEEDS = {"stages_reduced": {"options": _OPTIONS}, "warps_reduced": {"options": _OPTIONS},
-          "config_changed": {"config": OBJECT}, "fallback": {"fallback": NAME}, "reraised": {"reason": TEXT}}
+_NEEDS = {ladder.STAGES_REDUCED: {"options": _OPTIONS}, ladder.WARPS_REDUCED: {"options": _OPTIONS},
+          ladder.CONFIG_CHANGED: {"config": OBJECT}, ladder.FALLBACK: {"fallback": NAME},
+          ladder.RERAISED: {"reason": TEXT}}
 
 
 def entry_problems(kind: str, entry: Any) -> list[str]:
