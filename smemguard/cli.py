@@ -15,7 +15,8 @@ import time
 import warnings
 from pathlib import Path
 
-from . import __version__, gpus, untrusted
+from . import gpus, untrusted
+from ._version import __version__
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for

@@ -22,13 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from . import untrusted
+from . import introspect, untrusted
 from .report import Malformed, Record, read
 from .settings import Settings
 from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, integers, printable, shown
-
-#: Layers (autotuner, heuristics, a library's entry) between the recorded object and its JIT function.
-MAX_LAYERS = 8
 
 
 class ReplayError(Exception):
@@ -141,8 +138,6 @@ def check(record) -> list[str]:
 
 def import_kernel(name: str):
     """The object at ``module:qualname`` and the JIT function under it."""
-    from triton.runtime.jit import JITFunction
-
     module_name, _, qualname = name.partition(":")
     try:
         obj = importlib.import_module(module_name)
@@ -154,12 +149,10 @@ def import_kernel(name: str):
         obj = getattr(obj, part, None)
         if obj is None:
             raise ReplayError(f"module {module_name!r} has no {qualname!r} (the record's kernel {name!r})")
-    jit = obj
-    for _ in range(MAX_LAYERS):
-        if isinstance(jit, JITFunction):
-            return obj, jit
-        jit = getattr(jit, "fn", None)
-    raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
+    jit = introspect.jit_function(obj)
+    if jit is None:
+        raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
+    return obj, jit
 
 
 def _parameter_problems(jit, record: dict) -> list[str]:
@@ -290,7 +283,7 @@ def _guarded(settings: Settings, attempt: Callable[[], dict]):
     """
     import smemguard
 
-    logger = logging.getLogger("smemguard")
+    logger = logging.getLogger("smemguard")  # the package's logger: every module of smemguard logs below it
     level = logger.level
     logger.setLevel(logging.ERROR)
     smemguard.install(settings)

@@ -107,7 +107,11 @@ def test_the_module_declares_the_contract(module):
 
 @pytest.mark.parametrize("name", patches.MODULES)
 def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
+    import triton
+
     module = importlib.import_module(f"smemguard.patches.{name}")
+    if module.SUPPORTED.package == "triton" and not module.SUPPORTED.admits(triton.__version__):
+        pytest.skip(f"{name} needs Triton {module.SUPPORTED}; the installer does not apply it to {triton.__version__}")
     result = run_python(f"""
         import importlib, json, sys
         sys.path.insert(0, {str(stand_ins)!r})
