@@ -4,11 +4,15 @@ In order, deciding with each candidate's *compiled* ``metadata.shared`` (compile
 kernel is never launched to find out whether it fits):
 
 1. the same kernel with fewer ``num_stages`` (fewer ``num_warps`` for "threads"): grid and
-   tiles unchanged, results bitwise identical;
+   tiles unchanged, results bitwise identical. A stage fewer that needs exactly as many bytes
+   ends this rung: the bytes are not the pipeline's (misaligned loads on gfx942 or sm_80 keep
+   one buffer whatever ``num_stages`` says), so fewer stages still would only cost compiles;
 2. for tuned kernels, another config of the kernel's own list: the fastest the tuner timed
    for this key, else the largest tile; for a plain JIT function launched with a grid
    function, the alternatives registered for it. When several fit, up to :data:`RACE` are
-   timed with the tuner's own benchmark and the fastest wins;
+   timed with the tuner's own benchmark and the fastest wins. A candidate keeps the config's
+   other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
+   code and its speed, not its LDS (``benchmarks/amd_lds_sweep.py``);
 3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
 4. otherwise nothing: the original error is re-raised (:mod:`smemguard.recovery`).
 """
@@ -69,6 +73,11 @@ def _option_ladder(failing, resource: str):
     else:
         for stages in range(failing.metadata.num_stages - 1, 0, -1):
             yield "num_stages", stages
+
+
+def _stages_futile(option: str, before: int | None, attempt: Attempt) -> bool:
+    """Whether a stage fewer left the bytes exactly as they were: fewer still will not help."""
+    return option == "num_stages" and attempt.required is not None and attempt.required == before
 
 
 def _tile_size(config) -> int:
@@ -138,6 +147,7 @@ def decide(launch: Launch, failing, error) -> Decision:
     budget = MAX_CANDIDATES
     fitting: list[Decision] = []  # candidates that fit, most preferred first
 
+    required = error.required
     for option, value in _option_ladder(failing, error.name):
         if budget == 0:
             break
@@ -148,14 +158,18 @@ def decide(launch: Launch, failing, error) -> Decision:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
             fitting.append(Decision(action, (), final=attempt.config, replacement=kernel, options={option: value}))
             break
+        if _stages_futile(option, required, attempt):
+            break
+        required = attempt.required
 
     racing = _can_race(launch)
     wanted = RACE if racing else 1
-    fitted_bases: list = []  # a config that fits needs no fewer-stage variant
+    done_bases: list = []  # a config that fits, or whose stages do not change its bytes, needs no fewer-stage variant
+    required_by_base: dict[int, int | None] = {}
     for config, base in _candidate_configs(launch) if len(fitting) < wanted else ():
         if budget == 0 or len(fitting) >= wanted:
             break
-        if any(base is fitted for fitted in fitted_bases):
+        if any(base is done for done in done_bases):
             continue
         budget -= 1
         candidate = with_config(launch, config)
@@ -164,8 +178,11 @@ def decide(launch: Launch, failing, error) -> Decision:
         kernel, attempt = try_compile(candidate, introspect.config_text(config))
         attempts.append(attempt)
         if attempt.fits:
-            fitted_bases.append(base)
+            done_bases.append(base)
             fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
+        elif config is not base and _stages_futile("num_stages", required_by_base.get(id(base)), attempt):
+            done_bases.append(base)
+        required_by_base[id(base)] = attempt.required
 
     if fitting:
         chosen, timings = _fastest(launch, fitting) if racing and len(fitting) > 1 else (fitting[0], None)

@@ -183,7 +183,7 @@ def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_s
     assert document["schema"] == "smemguard.check/1" and document["exit_status"] == 1
     assert document["triton"] == triton.__version__ and isinstance(document["seconds"], float)
     assert document["gpus"] == [{"name": "L4", "arch": "sm_89", "limit": 101376, "checked": True},
-                                {"name": "MI300X", "arch": "gfx942", "limit": 65536, "checked": False}]
+                                {"name": "MI300X", "arch": "gfx942", "limit": 65536, "checked": True}]
     [kernel] = document["kernels"]
     assert kernel["kernel"] == "smemguard.examples:attention_fwd"
     assert kernel["jit"] == "smemguard.examples:attention_fwd_kernel"
@@ -193,14 +193,13 @@ def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_s
     assert row["constexprs"] == {"BLOCK_M": 128, "BLOCK_N": 128} and (row["num_warps"], row["num_stages"]) == (8, 3)
     aligned = row["gpus"]["L4"]["specializations"]["aligned"]
     assert aligned["verdict"] == "overflows" and aligned["how"] == "measured" and aligned["shared"] > 101376
-    assert row["gpus"]["L4"]["fits"] is False
-    assert row["gpus"]["MI300X"] == {"fits": None, "specializations": {
-        name: {"verdict": "not_checked", "how": None, "shared": None, "error": "AMD GPUs are not compiled for here"}
-        for name in ("aligned", "misaligned")}}
-    assert document["summary"]["L4"] == {"checked": True, "configs": 1, "fit": 0, "kernels_without_fit": [
-        {"kernel": "smemguard.examples:attention_fwd", "specializations": ["aligned"]}]}
-    assert document["summary"]["MI300X"]["checked"] is False
-    assert document["verdicts"] == {"measured": 2, "cached": 0, "estimated": 0} and document["compiles"] == 2
+    assert row["gpus"]["L4"]["fits"] is False and row["gpus"]["MI300X"]["fits"] is False
+    on_amd = row["gpus"]["MI300X"]["specializations"]["aligned"]
+    assert on_amd["verdict"] == "overflows" and on_amd["how"] == "measured" and on_amd["shared"] > 65536
+    for gpu in ("L4", "MI300X"):
+        assert document["summary"][gpu] == {"checked": True, "configs": 1, "fit": 0, "kernels_without_fit": [
+            {"kernel": "smemguard.examples:attention_fwd", "specializations": ["aligned"]}]}
+    assert document["verdicts"] == {"measured": 4, "cached": 0, "estimated": 0} and document["compiles"] == 4
 
 
 def test_check_exits_0_when_every_kernel_fits_and_shows_progress_and_a_table(
