@@ -13,7 +13,8 @@ compiles, Triton's HIP backend, a fresh Triton cache so the compile time is real
 - ``options``: the AMD compile options on 12 configs: ``waves_per_eu`` 2, ``matrix_instr_nonkdim``
   16 and 32, ``kpack`` 2, ``num_stages`` 1 to 4 and ``num_warps`` 4 and 8;
 - ``attention``: the example flash-attention forward at 1 to 4 stages;
-- ``rdna``: gfx1100 (RX 7900 XTX, wave32) on a 24-config subset.
+- ``rdna``: gfx1100 (RX 7900 XTX, wave32) on a 24-config subset;
+- ``versions``: a 48-config subset of ``grid`` (1 to 4 stages), to repeat on other Triton releases.
 
 Rows are appended as they finish (a part can be resumed; done rows are skipped), with the
 Triton version, so sweeps of several Triton releases share one file. ``--summary`` prints what
@@ -37,6 +38,7 @@ MATMUL = "smemguard.examples:matmul_kernel"
 ATTENTION = "smemguard.examples:attention_fwd_kernel"
 ARCHS = ("gfx942", "gfx950", "gfx90a")
 AMD_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+PARTS = ("grid", "dtypes", "options", "attention", "rdna", "versions")
 
 
 def grid(block_ms=(32, 64, 128, 256), block_ns=(32, 64, 128), block_ks=(32, 64, 128), stages=(2, 3, 4),
@@ -59,14 +61,18 @@ def jobs_for(part: str) -> list[tuple]:
         base = grid(block_ms=(64, 128, 256), block_ns=(128,), block_ks=(32, 64), stages=(2,), warps=(4, 8))
         variants = [{}, {"waves_per_eu": 2}, {"matrix_instr_nonkdim": 16}, {"matrix_instr_nonkdim": 32}, {"kpack": 2}]
         by_stages = [{**config, "num_stages": stages} for config in base for stages in (1, 3, 4)]
-        return ([(MATMUL, "fp16", spec, arch, {**config, **options}) for arch in ARCHS for spec in ("aligned", "misaligned")
-                 for config in base for options in variants]
+        return ([(MATMUL, "fp16", spec, arch, {**config, **options}) for arch in ARCHS
+                 for spec in ("aligned", "misaligned") for config in base for options in variants]
                 + [(MATMUL, "fp16", "aligned", arch, config) for arch in ARCHS for config in by_stages])
     if part == "attention":
         configs = [dict(BLOCK_M=m, BLOCK_N=n, num_stages=s, num_warps=w)
                    for m, n, w in ((64, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8)) for s in (1, 2, 3, 4)]
         return [(ATTENTION, "fp16", spec, arch, config) for arch in ARCHS for spec in ("aligned", "misaligned")
                 for config in configs]
+    if part == "versions":
+        subset = grid(block_ms=(32, 128, 256), block_ns=(64, 128), block_ks=(32, 128), stages=(1, 2, 3, 4), warps=(4,))
+        return [(MATMUL, "fp16", spec, arch, config) for arch in ARCHS for spec in ("aligned", "misaligned")
+                for config in subset]
     if part == "rdna":
         subset = grid(block_ms=(64, 128, 256), block_ns=(64, 128), block_ks=(32, 64), stages=(2, 3), warps=(4,))
         return [(MATMUL, "fp16", spec, "gfx1100", config) for spec in ("aligned", "misaligned") for config in subset]
@@ -186,8 +192,7 @@ def summary(out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", action="append", choices=["grid", "dtypes", "options", "attention", "rdna"],
-                        help="what to sweep (repeatable)")
+    parser.add_argument("--part", action="append", choices=PARTS, help="what to sweep (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("amd_lds_sweep.csv"))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--summary", action="store_true", help="print the summary tables of --out")

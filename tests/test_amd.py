@@ -2,16 +2,22 @@
 driver launches through Triton's own JIT path, and ``_init_handles`` raises the real
 ``OutOfResources`` for LDS. No AMD GPU executes anything here (README, "ROCm")."""
 
+import csv
+import importlib
+from pathlib import Path
+
 import pytest
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import gpus
+from smemguard import gpus, preflight
 from smemguard.testing import fake_gpu
 
 from conftest import records
 from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid
+from test_preflight import assert_estimates_agree, results  # noqa: F401 (results is a fixture)
 from test_recovery import N, aligned_and_misaligned, compiles, operands  # noqa: F401 (compiles is a fixture)
 
 MI300X = gpus.lookup("MI300X")
@@ -140,7 +146,8 @@ def test_observe_mode_on_an_mi300x_changes_nothing_but_writes_the_record(install
             tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
         assert len(gpu.launches) == launches and tuned.cache == cached
         assert compiles == [(4, 128)], "only the launch's own compile"
-    assert (caught.value.required, caught.value.limit) == (98304, 65536) and not getattr(caught.value, "__notes__", None)
+    assert (caught.value.required, caught.value.limit) == (98304, 65536)
+    assert not getattr(caught.value, "__notes__", None)
     [record] = records(incident_log)
     assert record["action"] == "observed" and record["device"]["arch"] == "gfx942"
 
@@ -169,3 +176,75 @@ def amd_config(block_m, block_n, block_k, num_stages, **options):
 
     return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options), num_stages=num_stages,
                          num_warps=4)
+
+
+# -- smemguard check for AMD GPUs -------------------------------------------------------------------
+
+# LDS of smemguard's example fp16 matmul measured by benchmarks/amd_lds_sweep.py (gfx90a, gfx942, gfx950;
+# Triton 3.4.0, 3.6.0, 3.9.0), the data the AMD estimate was calibrated on.
+AMD_SWEEP = Path(__file__).parent / "data" / "amd_lds_sweep.csv"
+MI355X = gpus.lookup("MI355X")
+
+# Around the MI300X's 65536 B and the MI355X's 163840 B, both sides, both code paths of each arch.
+AROUND_AMD = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=2),
+              dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+              dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)]
+
+
+def test_check_for_mi300x_and_mi355x_estimates_only_what_compiles_confirm(results, triton_cache, tmp_path):
+    kernels = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_AMD})
+    estimated = preflight.check(kernels, [MI300X, MI355X], jobs=2, cache=preflight.ResultCache(tmp_path / "cold"),
+                                triton_cache_dir=triton_cache)
+    exact = preflight.check(kernels, [MI300X, MI355X], exact=True, jobs=2, cache=results,
+                            triton_cache_dir=triton_cache)
+    assert {verdict.verdict for verdict in exact.verdicts.values()} == {preflight.FITS, preflight.OVERFLOWS}
+    assert {verdict.how for verdict in estimated.verdicts.values()} == {preflight.MEASURED, preflight.ESTIMATED}
+    assert estimated.compiles < exact.compiles == len(AROUND_AMD) * 2 * 2
+    assert_estimates_agree(estimated, exact)
+    # 128x128x64 at 3 stages needs (3-1) x 32768 B on gfx942: exactly the limit, never estimated.
+    assert estimated.verdict(0, 0, "aligned", "MI300X").how == preflight.MEASURED
+    assert exact.verdict(0, 0, "aligned", "MI300X").shared == 65536 and exact.exit_status == 0
+    summary = preflight.format_summary(estimated)
+    assert "MI300X (gfx942, 65536 B): configs that fit: flaggems_matmul" in summary
+    assert "MI355X (gfx950, 163840 B): configs that fit: flaggems_matmul" in summary
+
+
+def test_the_amd_estimate_holds_every_config_the_sweep_measured_with_this_triton():
+    rows = [row for row in csv.DictReader(AMD_SWEEP.open())
+            if row["triton"] == triton.__version__ and row["kernel"] == "matmul_kernel" and row["shared"]]
+    if not rows:
+        pytest.skip(f"benchmarks/amd_lds_sweep.py has no measurements with Triton {triton.__version__}")
+    kernels = {dtype: preflight.discover(["smemguard.examples:matmul_kernel"], overrides={
+        "dtype": dtype, "ones": [["N"]], "configs": [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)]})[0]
+        for dtype in {row["dtype"] for row in rows}}
+    outside, compiled = [], []
+    for row in rows:
+        kernel = kernels[row["dtype"]]
+        options = {name: int(row[name]) for name in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") if row[name]}
+        variant = preflight.Variant.of(dict(BLOCK_M=int(row["BM"]), BLOCK_N=int(row["BN"]), BLOCK_K=int(row["BK"]),
+                                            num_warps=int(row["num_warps"]), num_stages=int(row["num_stages"]),
+                                            **options))
+        spec = next(spec for spec in kernel.specializations if spec.name == row["spec"])
+        interval = preflight.estimate(preflight.build_request(kernel, variant, spec, row["arch"]), spec)
+        if interval is None:
+            compiled.append((row["dtype"], row["spec"]))
+        elif not interval.holds(int(row["shared"])):
+            outside.append((row, interval))
+    assert len(rows) >= 280 and outside == []
+    assert all(dtype == "fp32" or spec == "N=1" for dtype, spec in compiled), "outside the calibrated domain only"
+
+
+def test_amd_gpus_this_triton_cannot_compile_for_are_listed_as_not_checked(monkeypatch, results, triton_cache):
+    check_module = importlib.import_module("smemguard.preflight.check")
+    reason = "Triton 3.4.0 links AMD code objects with an external ld.lld"
+    monkeypatch.setattr(check_module, "hip_compile_problem", lambda: reason)
+    kernels = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_AMD[3:4]})
+    report = preflight.check(kernels, [gpus.lookup("L4"), MI300X], jobs=1, cache=results, triton_cache_dir=triton_cache)
+    assert report.compiles == 2 and report.unchecked == {"MI300X": reason}
+    assert {report.verdict(0, 0, spec, "MI300X").verdict for spec in ("aligned", "misaligned")} == {
+        preflight.NOT_CHECKED}
+    assert f"MI300X (gfx942): not checked: {reason}" in preflight.format_summary(report)
+    assert report.to_json()["summary"]["MI300X"]["checked"] is False and report.exit_status == 0

@@ -112,6 +112,14 @@ def test_check_reports_exactly_the_configs_a_launch_on_an_l4_rejects(results, tr
     assert report.exit_status == 0
 
 
+def assert_estimates_agree(estimated: preflight.Report, exact: preflight.Report) -> None:
+    """Every verdict of ``estimated`` is the compiled one of ``exact``, and every estimate holds the bytes."""
+    for key, verdict in estimated.verdicts.items():
+        assert verdict.verdict == exact.verdicts[key].verdict, key
+        if verdict.how == preflight.ESTIMATED:
+            assert verdict.shared is None and verdict.low <= exact.verdicts[key].shared <= verdict.high, key
+
+
 def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, triton_cache, tmp_path):
     clear = [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
@@ -123,10 +131,7 @@ def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, triton_
     hows = {verdict.how for verdict in estimated.verdicts.values()}
     assert hows == {preflight.MEASURED, preflight.ESTIMATED}
     assert estimated.compiles < exact.compiles == len(AROUND_L4 + clear) * 2
-    for key, verdict in estimated.verdicts.items():
-        assert verdict.verdict == exact.verdicts[key].verdict, key
-        if verdict.how == preflight.ESTIMATED:
-            assert verdict.shared is None and verdict.low <= exact.verdicts[key].shared <= verdict.high
+    assert_estimates_agree(estimated, exact)
     # Near the limit nothing is estimated: 128x128x64 with 4 stages needs 98304 of 101376 B.
     assert estimated.verdict(0, 0, "aligned", "L4").how == preflight.MEASURED
     table = preflight.format_table(estimated)
