@@ -26,7 +26,8 @@ each GPU's arch on this machine with Triton's own compiler, and compares the sha
 compiled kernel needs with the GPU's per-block limit: exactly the check that raises
 OutOfResources on the GPU. Each config is compiled as aligned launches (16-byte aligned
 pointers, sizes divisible by 16: the most shared memory) and as misaligned ones, plus the
-specializations you name with --one. No GPU is needed; AMD GPUs (gfx*) are listed as not checked.
+specializations you name with --one. No GPU is needed: NVIDIA GPUs compile through ptxas, AMD GPUs
+(gfx*: MI300X, MI355X, ...) through Triton's HIP backend, both shipped in the Triton wheel.
 
 Exit status: 0 when every kernel has a fitting config on every GPU in every specialization,
 1 when some kernel has none on some GPU (it would raise OutOfResources there whatever the
@@ -171,7 +172,8 @@ def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
         shown_at = event.elapsed
         item, result = event.item, event.item.result or {}
         outcome = f"{result['shared']} B" if result.get("shared") is not None else "compile error"
-        print(f"smemguard check: [{event.done}/{event.planned}] sm_{item.arch} {item.kernel.name.rsplit(':', 1)[-1]} "
+        arch = f"sm_{item.arch}" if isinstance(item.arch, int) else item.arch
+        print(f"smemguard check: [{event.done}/{event.planned}] {arch} {item.kernel.name.rsplit(':', 1)[-1]} "
               f"{item.variant.label()} {item.spec.name}: {outcome} ({result.get('seconds', 0):.1f} s; "
               f"{event.elapsed:.0f} s elapsed)", file=sys.stderr, flush=True)
 

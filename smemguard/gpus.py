@@ -1,8 +1,9 @@
 """The per-block opt-in shared-memory limit of the GPUs smemguard knows by name.
 
-One table, used by ``SMEMGUARD_MAX_SHARED=<name>``, the CPU test harness and the docs.
-The limits are the per-block *opt-in* maximum that Triton compares a kernel's
-``metadata.shared`` against (``cudaDevAttrMaxSharedMemoryPerBlockOptin``; LDS size on AMD).
+One table, used by ``SMEMGUARD_MAX_SHARED=<name>``, the CPU test harness, ``smemguard check``
+and the docs. The limits are the per-block *opt-in* maximum that Triton compares a kernel's
+``metadata.shared`` against (``cudaDevAttrMaxSharedMemoryPerBlockOptin``; on AMD the LDS one
+workgroup may use, ``hipDeviceAttributeMaxSharedMemoryPerBlock``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,28 @@ class Gpu:
     def capability(self) -> int | None:
         """Triton's integer target arch for NVIDIA GPUs (89 for sm_89); None for AMD."""
         return int(self.arch[3:]) if self.arch.startswith("sm_") else None
+
+    @property
+    def backend(self) -> str:
+        """Triton's backend for the GPU: "cuda" or "hip"."""
+        return "cuda" if self.capability is not None else "hip"
+
+    @property
+    def target_arch(self) -> int | str:
+        """The arch of Triton's ``GPUTarget``: 89 for sm_89, "gfx942" for AMD."""
+        return self.capability if self.capability is not None else self.arch
+
+    @property
+    def warp_size(self) -> int:
+        return warp_size(self.target_arch)
+
+
+def warp_size(arch: int | str) -> int:
+    """Threads per warp (wavefront) of a target arch: 32 on NVIDIA and on RDNA (gfx10 and later),
+    64 on CDNA (gfx9), as Triton's HIP backend sets it."""
+    if isinstance(arch, int):
+        return 32
+    return 32 if int(arch[3:-2]) >= 10 else 64
 
 
 GPUS: tuple[Gpu, ...] = (
@@ -46,14 +69,21 @@ GPUS: tuple[Gpu, ...] = (
     Gpu("GB200", "sm_100", 232448),
     Gpu("RTX5090", "sm_120", 101376, ("5090",)),
     Gpu("RTXPRO6000", "sm_120", 101376, ("RTXPRO6000Blackwell",)),
+    Gpu("MI210", "gfx90a", 65536),
+    Gpu("MI250", "gfx90a", 65536),
+    Gpu("MI250X", "gfx90a", 65536),
+    Gpu("MI300A", "gfx942", 65536),
     Gpu("MI300X", "gfx942", 65536),
     Gpu("MI325X", "gfx942", 65536),
+    Gpu("MI350X", "gfx950", 163840),
     Gpu("MI355X", "gfx950", 163840),
+    Gpu("RX7900XTX", "gfx1100", 65536, ("7900XTX",)),
+    Gpu("W7900", "gfx1100", 65536, ("PROW7900",)),
 )
 
 # Vendor words that device names carry ("NVIDIA GeForce RTX 4090", "AMD Instinct MI300X")
 # but users leave out; dropping them lets torch's device name match the table too.
-_VENDOR_WORDS = re.compile(r"nvidia|geforce|tesla|amd|instinct|pcie|sxm\d*|nvl|\d+gb")
+_VENDOR_WORDS = re.compile(r"nvidia|geforce|tesla|amd|instinct|radeon|pcie|sxm\d*|nvl|oam|\d+gb")
 
 
 def _normalize(name: str) -> str:

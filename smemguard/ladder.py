@@ -4,11 +4,17 @@ In order, deciding with each candidate's *compiled* ``metadata.shared`` (compile
 kernel is never launched to find out whether it fits):
 
 1. the same kernel with fewer ``num_stages`` (fewer ``num_warps`` for "threads"): grid and
-   tiles unchanged, results bitwise identical;
+   tiles unchanged, results bitwise identical. Counts are skipped that the measured bytes per
+   stage show cannot fit, and a stage fewer that needs exactly as many bytes ends this rung:
+   the bytes are not the pipeline's (misaligned loads on gfx942 or sm_80 keep one buffer
+   whatever ``num_stages`` says), so fewer stages still would only cost compiles;
 2. for tuned kernels, another config of the kernel's own list: the fastest the tuner timed
    for this key, else the largest tile; for a plain JIT function launched with a grid
    function, the alternatives registered for it. When several fit, up to :data:`RACE` are
-   timed with the tuner's own benchmark and the fastest wins;
+   timed with the tuner's own benchmark and the fastest wins. A candidate keeps the config's
+   other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
+   code and its speed, never whether it fits (``waves_per_eu`` and ``kpack`` change no byte of
+   LDS, ``matrix_instr_nonkdim`` under 1 KiB of gfx950's padding: ``benchmarks/amd_lds_sweep.py``);
 3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
 4. otherwise nothing: the original error is re-raised (:mod:`smemguard.recovery`).
 """
@@ -260,22 +266,24 @@ def decide(launch: Launch, failing, error) -> Decision:
             break
         if any(base is fitted for fitted in fitted_bases):
             continue
-        candidate = with_config(launch, config)
-        constexprs = _constexprs(candidate)
-        dominated = measured.dominated(constexprs, config.num_stages)
+        dominated = measured.dominated(_constexprs(with_config(launch, config)), config.num_stages)
         if dominated is not None:
             measured.skipped.append(f"{introspect.config_text(config)}: at least as big as a config measured too big")
             continue
         budget -= 1
-        # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
-        candidate.run_config_pre_hook()
-        kernel, attempt = try_compile(candidate, introspect.config_text(config))
-        attempts.append(attempt)
+        attempt = _try_config(launch, config, attempts, measured)
+        # The order only predicts: a variant that fits may leave a stage to spare. Climb while its own
+        # bytes per stage say the next count of the same config may fit too (more stages: usually faster).
+        while (attempt.fits and config is not base and config.num_stages + 1 < base.num_stages and budget > 0
+               and _may_take_a_stage_more(attempt, config.num_stages)):
+            budget -= 1
+            more = variant(base, num_stages=config.num_stages + 1)
+            if not _try_config(launch, more, attempts, measured).fits:
+                break
+            config, attempt = more, attempts[-1]
         if attempt.fits:
             fitted_bases.append(base)
             fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
-        elif attempt.required is not None:
-            measured.overflowing.append((constexprs, config.num_stages))
 
     skipped = tuple(measured.skipped)
     if fitting:
@@ -292,6 +300,25 @@ def decide(launch: Launch, failing, error) -> Decision:
     if measured.stages_inert:
         reason = f"{measured.stages_inert}; {reason}"
     return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped)
+
+
+def _may_take_a_stage_more(attempt: Attempt, stages: int) -> bool:
+    """Whether ``stages + 1`` of a config measured at ``attempt`` may still fit. The steepest growth
+    seen is (S-1) buffered stages (one stage in registers, sm_80/89): S/(S-1) times the bytes; from
+    one stage nothing is known (with one stage in registers, two need no more)."""
+    return stages == 1 or attempt.required * stages <= attempt.limit * (stages - 1)
+
+
+def _try_config(launch: Launch, config, attempts: list, measured: _Measured) -> Attempt:
+    """Compile ``launch`` with the tuner config (or alternative) ``config``; note what it showed."""
+    candidate = with_config(launch, config)
+    # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
+    candidate.run_config_pre_hook()
+    _, attempt = try_compile(candidate, introspect.config_text(config))
+    attempts.append(attempt)
+    if not attempt.fits and attempt.required is not None:
+        measured.overflowing.append((_constexprs(candidate), config.num_stages))
+    return attempt
 
 
 def _capturing() -> bool:

@@ -1,10 +1,13 @@
 """Run Triton's real launch path on a machine without a GPU, against any GPU's limit.
 
-``fake_gpu("L4")`` installs a small stand-in for Triton's CUDA driver. Everything above the
-driver is Triton's own: ``JITFunction.run``, the binder and its specialization, the compile
-for the chosen arch (ptxas ships in the Triton wheel), the JIT cache, the autotuner, and
-``CompiledKernel._init_handles``, which raises a genuine ``OutOfResources`` when the
-compiled kernel's shared memory exceeds the limit. Launches that pass the check are
+``fake_gpu("L4")`` installs a small stand-in for Triton's CUDA driver; ``fake_gpu("MI300X")``
+one for its HIP driver. Everything above the driver is Triton's own: ``JITFunction.run``, the
+binder and its specialization (the HIP backend's own, with its buffer-op ``pointer_range``
+attribute), the compile for the chosen arch (sm_89 through ptxas, gfx942 through the AMD LLVM
+backend: both ship in the Triton wheel), the JIT cache, the autotuner, and
+``CompiledKernel._init_handles``, which raises a genuine ``OutOfResources`` when the compiled
+kernel's shared memory (LDS on AMD) exceeds the limit, or its warps times the wave size (64 on
+CDNA, 32 on RDNA and NVIDIA) exceed the threads per block. Launches that pass the check are
 recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU.
 
     from smemguard.testing import fake_gpu
@@ -13,7 +16,9 @@ recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a rea
         my_kernel[grid](x, y, n, BLOCK=256)   # raises OutOfResources if it would on an L4
         assert gpu.launches[-1].shared <= 101376
 
-Checked against Triton 3.4 to 3.9.
+Checked against Triton 3.4 to 3.9. Triton 3.4 links AMD code objects with an external
+``ld.lld`` of LLVM 16 or newer (ROCm's, or Debian's ``lld-19`` named by ``TRITON_HIP_LLD_PATH``);
+3.5 and later link them themselves.
 """
 
 from __future__ import annotations
@@ -40,12 +45,20 @@ class RecordedLaunch:
 class FakeGpu:
     """The stand-in device: its target, its limits and what was launched on it."""
 
-    arch: int
+    arch: int | str  # Triton's target arch: 89, or "gfx942"
     max_shared: int
     multiprocessor_count: int = 132
     max_threads: int = 1024
     launches: list[RecordedLaunch] = field(default_factory=list)
     bench_ms: Callable[[], float] = lambda: 1.0
+
+    @property
+    def backend(self) -> str:
+        return "cuda" if isinstance(self.arch, int) else "hip"
+
+    @property
+    def warp_size(self) -> int:
+        return gpus.warp_size(self.arch)
 
 
 class _Launcher:
@@ -68,15 +81,18 @@ class _Utils:
 
     def get_device_properties(self, device) -> dict:
         gpu = self._gpu
-        return {
+        properties = {
             "max_shared_mem": gpu.max_shared,
             "multiprocessor_count": gpu.multiprocessor_count,
             "max_num_regs": 65536,
-            "warpSize": 32,
+            "warpSize": gpu.warp_size,
             "sm_clock_rate": 1_980_000,
             "mem_clock_rate": 2_619_000,
             "mem_bus_width": 5120,
         }
+        if gpu.backend == "hip":  # HIP's driver also reports the gfx arch with its target features
+            properties["arch"] = f"{gpu.arch}:sramecc+:xnack-"
+        return properties
 
     def load_binary(self, name, kernel, shared, device):
         return _FakeModule(), object(), 32, 0, self._gpu.max_threads
@@ -92,7 +108,7 @@ class _Driver:
         from triton.backends.compiler import GPUTarget
 
         self._gpu = gpu
-        self._target = GPUTarget("cuda", gpu.arch, 32)
+        self._target = GPUTarget(gpu.backend, gpu.arch, gpu.warp_size)
         self.utils = _Utils(gpu)
 
     @staticmethod
@@ -100,7 +116,10 @@ class _Driver:
         return True
 
     def map_python_to_cpp_type(self, ty: str) -> str:
-        from triton.backends.nvidia.driver import ty_to_cpp
+        if self._gpu.backend == "hip":
+            from triton.backends.amd.driver import ty_to_cpp
+        else:
+            from triton.backends.nvidia.driver import ty_to_cpp
 
         return ty_to_cpp(ty)
 
@@ -122,7 +141,9 @@ class _Driver:
         return 0
 
     def get_device_capability(self, device=None) -> tuple[int, int]:
-        return divmod(self._gpu.arch, 10)
+        """(8, 9) for sm_89; what torch reports on ROCm for a gfx arch: (9, 4) for gfx942."""
+        arch = self._gpu.arch
+        return divmod(arch, 10) if isinstance(arch, int) else (int(arch[3:-2]), int(arch[-2], 16))
 
     def get_benchmarker(self):
         gpu = self._gpu
@@ -198,8 +219,9 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
              max_threads: int = 1024) -> Iterator[FakeGpu]:
     """Make Triton compile for and "launch" on a stand-in GPU.
 
-    ``gpu`` is a name from :mod:`smemguard.gpus` or an integer arch (89). ``max_shared``
-    overrides the table's limit. ``cache_dir`` is Triton's cache (default: a fresh temp dir).
+    ``gpu`` is a name from :mod:`smemguard.gpus` (NVIDIA or AMD: "L4", "MI300X") or an
+    integer NVIDIA arch (89). ``max_shared`` overrides the table's limit. ``cache_dir`` is
+    Triton's cache (default: a fresh temp dir).
     """
     from triton import knobs
     from triton.compiler import compiler
@@ -209,11 +231,18 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
         arch, limit = gpu, max_shared
     else:
         known = gpus.lookup(gpu)
-        if known is None or known.capability is None:
-            raise ValueError(f"fake_gpu needs an NVIDIA GPU name from smemguard.gpus or an arch number, not {gpu!r}")
-        arch, limit = known.capability, max_shared or known.max_shared
+        if known is None:
+            raise ValueError(f"fake_gpu needs a GPU name from smemguard.gpus (see 'smemguard gpus') or an NVIDIA "
+                             f"arch number, not {gpu!r}")
+        arch, limit = known.target_arch, max_shared or known.max_shared
     if limit is None:
         raise ValueError("fake_gpu(arch) needs max_shared=")
+    if isinstance(arch, str):
+        from .preflight.compiling import hip_compile_problem
+
+        problem = hip_compile_problem()
+        if problem is not None:
+            raise RuntimeError(f"fake_gpu({gpu!r}): {problem}")
     device = FakeGpu(arch=arch, max_shared=limit, max_threads=max_threads)
     # The driver config is a plain object in every version; saving its fields restores
     # exactly what was there, without creating the real driver on a machine that has none.

@@ -112,6 +112,14 @@ def test_check_reports_exactly_the_configs_a_launch_on_an_l4_rejects(results, tr
     assert report.exit_status == 0
 
 
+def assert_estimates_agree(estimated: preflight.Report, exact: preflight.Report) -> None:
+    """Every verdict of ``estimated`` is the compiled one of ``exact``, and every estimate holds the bytes."""
+    for key, verdict in estimated.verdicts.items():
+        assert verdict.verdict == exact.verdicts[key].verdict, key
+        if verdict.how == preflight.ESTIMATED:
+            assert verdict.shared is None and verdict.low <= exact.verdicts[key].shared <= verdict.high, key
+
+
 def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, triton_cache, tmp_path):
     clear = [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
@@ -123,10 +131,7 @@ def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, triton_
     hows = {verdict.how for verdict in estimated.verdicts.values()}
     assert hows == {preflight.MEASURED, preflight.ESTIMATED}
     assert estimated.compiles < exact.compiles == len(AROUND_L4 + clear) * 2
-    for key, verdict in estimated.verdicts.items():
-        assert verdict.verdict == exact.verdicts[key].verdict, key
-        if verdict.how == preflight.ESTIMATED:
-            assert verdict.shared is None and verdict.low <= exact.verdicts[key].shared <= verdict.high
+    assert_estimates_agree(estimated, exact)
     # Near the limit nothing is estimated: 128x128x64 with 4 stages needs 98304 of 101376 B.
     assert estimated.verdict(0, 0, "aligned", "L4").how == preflight.MEASURED
     table = preflight.format_table(estimated)
@@ -183,7 +188,7 @@ def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_s
     assert document["schema"] == "smemguard.check/1" and document["exit_status"] == 1
     assert document["triton"] == triton.__version__ and isinstance(document["seconds"], float)
     assert document["gpus"] == [{"name": "L4", "arch": "sm_89", "limit": 101376, "checked": True},
-                                {"name": "MI300X", "arch": "gfx942", "limit": 65536, "checked": False}]
+                                {"name": "MI300X", "arch": "gfx942", "limit": 65536, "checked": True}]
     [kernel] = document["kernels"]
     assert kernel["kernel"] == "smemguard.examples:attention_fwd"
     assert kernel["jit"] == "smemguard.examples:attention_fwd_kernel"
@@ -193,14 +198,13 @@ def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_s
     assert row["constexprs"] == {"BLOCK_M": 128, "BLOCK_N": 128} and (row["num_warps"], row["num_stages"]) == (8, 3)
     aligned = row["gpus"]["L4"]["specializations"]["aligned"]
     assert aligned["verdict"] == "overflows" and aligned["how"] == "measured" and aligned["shared"] > 101376
-    assert row["gpus"]["L4"]["fits"] is False
-    assert row["gpus"]["MI300X"] == {"fits": None, "specializations": {
-        name: {"verdict": "not_checked", "how": None, "shared": None, "error": "AMD GPUs are not compiled for here"}
-        for name in ("aligned", "misaligned")}}
-    assert document["summary"]["L4"] == {"checked": True, "configs": 1, "fit": 0, "kernels_without_fit": [
-        {"kernel": "smemguard.examples:attention_fwd", "specializations": ["aligned"]}]}
-    assert document["summary"]["MI300X"]["checked"] is False
-    assert document["verdicts"] == {"measured": 2, "cached": 0, "estimated": 0} and document["compiles"] == 2
+    assert row["gpus"]["L4"]["fits"] is False and row["gpus"]["MI300X"]["fits"] is False
+    on_amd = row["gpus"]["MI300X"]["specializations"]["aligned"]
+    assert on_amd["verdict"] == "overflows" and on_amd["how"] == "measured" and on_amd["shared"] > 65536
+    for gpu in ("L4", "MI300X"):
+        assert document["summary"][gpu] == {"checked": True, "configs": 1, "fit": 0, "kernels_without_fit": [
+            {"kernel": "smemguard.examples:attention_fwd", "specializations": ["aligned"]}]}
+    assert document["verdicts"] == {"measured": 4, "cached": 0, "estimated": 0} and document["compiles"] == 4
 
 
 def test_check_exits_0_when_every_kernel_fits_and_shows_progress_and_a_table(

@@ -8,13 +8,13 @@ import math
 import os
 import time
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .. import gpus, introspect
 from .._version import __version__
 from .cache import ResultCache
-from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key
+from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
 from .estimate import Estimate, estimate
 from .model import (CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
                     Specialization, Variant)
@@ -41,7 +41,7 @@ class Item:
     kernel: CheckedKernel
     variant: Variant
     spec: Specialization
-    arch: int
+    arch: int | str  # Triton's target arch: 89, "gfx942"
     request: CompileRequest | None = None
     problem: str | None = None  # could not even be set up
     interval: Estimate | None = None
@@ -139,12 +139,16 @@ class Report:
     cache_hits: int
     seconds: float
     exact: bool
+    unchecked: dict[str, str] = field(default_factory=dict)  # GPU name -> why it could not be compiled for
 
     def verdict(self, kernel: int, variant: int, spec: str, gpu: str) -> Verdict:
         return self.verdicts[(kernel, variant, spec, gpu)]
 
     def checked_gpus(self) -> list[gpus.Gpu]:
-        return [gpu for gpu in self.gpus if gpu.capability is not None]
+        return [gpu for gpu in self.gpus if self.checked(gpu)]
+
+    def checked(self, gpu: gpus.Gpu) -> bool:
+        return gpu.name not in self.unchecked
 
     def fits_everywhere(self, kernel: int, variant: int, gpu: str) -> bool:
         return all(self.verdict(kernel, variant, spec.name, gpu).verdict == FITS
@@ -202,7 +206,7 @@ class Report:
                 per_gpu = {}
                 for gpu in self.gpus:
                     per_gpu[gpu.name] = {
-                        "fits": self.fits_everywhere(k, v, gpu.name) if gpu.capability is not None else None,
+                        "fits": self.fits_everywhere(k, v, gpu.name) if self.checked(gpu) else None,
                         "specializations": {spec.name: self.verdict(k, v, spec.name, gpu.name).to_json()
                                             for spec in kernel.specializations}}
                 configs.append({**variant.to_json(), "gpus": per_gpu})
@@ -211,7 +215,7 @@ class Report:
                             "unit_args": list(kernel.unit_args), "configs": configs})
         summary = {}
         for gpu in self.gpus:
-            checked = gpu.capability is not None
+            checked = self.checked(gpu)
             total = sum(len(kernel.variants) for kernel in self.kernels)
             fit = sum(self.fits_everywhere(k, v, gpu.name) for k, kernel in enumerate(self.kernels)
                       for v in range(len(kernel.variants))) if checked else None
@@ -222,7 +226,7 @@ class Report:
                 "exit_status": self.exit_status, "seconds": round(self.seconds, 2), "compiles": self.compiles,
                 "cache_hits": self.cache_hits, "verdicts": self.counts(),
                 "gpus": [{"name": gpu.name, "arch": gpu.arch, "limit": gpu.max_shared,
-                          "checked": gpu.capability is not None} for gpu in self.gpus],
+                          "checked": self.checked(gpu)} for gpu in self.gpus],
                 "kernels": kernels, "summary": summary}
 
 
@@ -233,9 +237,12 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
     started = time.perf_counter()
     cache = cache or ResultCache(None)
     jobs = max(1, jobs or os.cpu_count() or 1)
-    nvidia = [gpu for gpu in gpu_list if gpu.capability is not None]
-    limits = {arch: sorted({gpu.max_shared for gpu in nvidia if gpu.capability == arch})
-              for arch in sorted({gpu.capability for gpu in nvidia})}
+    amd_problem = hip_compile_problem() if any(gpu.backend == "hip" for gpu in gpu_list) else None
+    unchecked = {gpu.name: amd_problem for gpu in gpu_list if gpu.backend == "hip" and amd_problem}
+    limits: dict[int | str, list[int]] = {}
+    for gpu in gpu_list:
+        if gpu.name not in unchecked:
+            limits[gpu.target_arch] = sorted({*limits.get(gpu.target_arch, ()), gpu.max_shared})
 
     groups: list[_Group] = []
     items: dict[tuple[int, int, str, int], Item] = {}
@@ -306,12 +313,13 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
         for v in range(len(kernel.variants)):
             for spec in kernel.specializations:
                 for gpu in gpu_list:
-                    if gpu.capability is None:
-                        verdict = Verdict(NOT_CHECKED, error="AMD GPUs are not compiled for here")
+                    if gpu.name in unchecked:
+                        verdict = Verdict(NOT_CHECKED, error=unchecked[gpu.name])
                     else:
-                        verdict = _verdict(items[(k, v, spec.name, gpu.capability)], gpu.max_shared)
+                        verdict = _verdict(items[(k, v, spec.name, gpu.target_arch)], gpu.max_shared)
                     verdicts[(k, v, spec.name, gpu.name)] = verdict
-    return Report(list(kernels), list(gpu_list), verdicts, compiles, cache_hits, time.perf_counter() - started, exact)
+    return Report(list(kernels), list(gpu_list), verdicts, compiles, cache_hits, time.perf_counter() - started, exact,
+                  unchecked)
 
 
 def _verdict(item: Item, limit: int) -> Verdict:

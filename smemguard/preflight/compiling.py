@@ -8,13 +8,15 @@ import contextlib
 import hashlib
 import io
 import multiprocessing
+import re
+import subprocess
 import time
 import warnings
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from .. import introspect, runtime
+from .. import gpus, introspect, runtime
 from .discovery import jit_from_locator
 from .model import ELEMENT_BYTES, CheckedKernel, Specialization, Variant
 
@@ -28,9 +30,13 @@ class CompileRequest:
     constants: dict[str, Any]
     divisible: tuple[str, ...]
     options: dict[str, Any]
-    arch: int
+    arch: int | str  # Triton's target arch: 89 (sm_89) or "gfx942"
     locator: tuple[str, str, str | None] | None
     key: str = ""
+
+    @property
+    def backend(self) -> str:
+        return "cuda" if isinstance(self.arch, int) else "hip"
 
 
 class PlanError(Exception):
@@ -85,11 +91,18 @@ def _heuristic_values(kernel: CheckedKernel, values: dict, spec: Specialization,
     return computed
 
 
-def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization, arch: int) -> CompileRequest:
-    """The signature, constants and divisibility a launch in ``spec`` would compile ``variant`` with."""
+def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization, arch: int | str) -> CompileRequest:
+    """The signature, constants and divisibility a launch in ``spec`` would compile ``variant`` with.
+
+    A config's keyword arguments that are no parameter of the kernel are compile options, as
+    at a launch: on AMD ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` (the CUDA
+    backend has none of them)."""
     values = {p.name: p.default for p in kernel.jit.params if p.is_constexpr and p.has_default}
     values.update(kernel.constants)
     values.update(variant.constexprs)
+    options = variant.options()
+    if not isinstance(arch, int):
+        options.update((name, value) for name, value in variant.constexprs if name not in kernel.jit.arg_names)
     ones = set(kernel.unit_args) | set(spec.ones)
     if kernel.heuristics:
         values.update(_heuristic_values(kernel, values, spec, ones))
@@ -111,24 +124,29 @@ def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization,
         specializable = ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize)
         if spec.aligned and specializable and not param.do_not_specialize_on_alignment:
             divisible.append(name)
-    return CompileRequest(signature, constants, tuple(divisible), variant.options(), arch, kernel.locator)
+    return CompileRequest(signature, constants, tuple(divisible), options, arch, kernel.locator)
 
 
 def _attrs(jit, request: CompileRequest) -> dict:
     """``ASTSource`` attributes, laid out as Triton's launcher lays them out (parameter-index paths;
     an empty list for an argument it could have marked): the same compile-cache entry as a launch.
-    Before 3.7 constexprs carried no entry unless their value was a string."""
+    Before 3.7 constexprs carried no entry unless their value was a string. On AMD, with buffer
+    ops (Triton's default from 3.5 on), the launcher also marks each tensor under 2 GB, which
+    this check assumes every tensor is ("S": ``tt.pointer_range`` 32)."""
+    from triton import knobs
+
     every_constexpr_listed = runtime.triton_release() >= (3, 7)
+    in_2gb = "S" if request.backend == "hip" and knobs.amd.use_buffer_ops else ""
+    backend = _backend(request.arch)
     attrs = {}
     for index, param in enumerate(jit.params):
         name, ty = param.name, request.signature[param.name]
-        if name in request.divisible:
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif ty == "constexpr":
+        if ty == "constexpr":
             if every_constexpr_listed or isinstance(request.constants[name], str):
                 attrs[(index,)] = []
         elif ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize):
-            attrs[(index,)] = []
+            marks = ("D" if name in request.divisible else "") + (in_2gb if ty.startswith("*") else "")
+            attrs[(index,)] = backend.parse_attr(marks)
     return attrs
 
 
@@ -146,15 +164,50 @@ def _quiet_triton():
         yield
 
 
-_backends: dict[int, Any] = {}
-
-
-def _backend(arch: int):
+def gpu_target(arch: int | str):
+    """Triton's ``GPUTarget`` for a target arch: ``("cuda", 89, 32)``, ``("hip", "gfx942", 64)``."""
     from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda" if isinstance(arch, int) else "hip", arch, gpus.warp_size(arch))
+
+
+#: The oldest LLVM whose ld.lld links the code objects Triton 3.4 writes for AMD (LLVM 14's refuses them).
+OLDEST_HIP_LLD = 16
+
+
+def hip_compile_problem() -> str | None:
+    """Why the installed Triton cannot compile for AMD GPUs on this machine, or None.
+
+    Triton 3.5 and later link AMD code objects themselves; 3.4 runs an external ``ld.lld``
+    (``TRITON_HIP_LLD_PATH``, ROCm's, or ``/usr/bin/ld.lld``), also to name the backend in its
+    cache key."""
+    from triton.backends.amd.compiler import HIPBackend
+
+    find_linker = getattr(HIPBackend, "path_to_rocm_lld", None)
+    if find_linker is None:
+        return None
+    advice = (f"Triton {runtime.triton_version()} links AMD code objects with an external ld.lld of LLVM "
+              f"{OLDEST_HIP_LLD} or newer: install ROCm, or run 'apt-get install lld-19' and set "
+              "TRITON_HIP_LLD_PATH=/usr/lib/llvm-19/bin/ld.lld (Triton 3.5 and later need none)")
+    try:
+        linker = find_linker()
+        version = subprocess.run([str(linker), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except Exception as error:
+        return f"{advice}; none was found ({introspect.error_summary(error)})"
+    major = re.search(r"LLD (\d+)\.", version)
+    if major is None or int(major.group(1)) < OLDEST_HIP_LLD:
+        return f"{advice}; {linker} is {version.strip() or 'of an unknown version'}"
+    return None
+
+
+_backends: dict[int | str, Any] = {}
+
+
+def _backend(arch: int | str):
     from triton.compiler.compiler import make_backend
 
     if arch not in _backends:
-        _backends[arch] = make_backend(GPUTarget("cuda", arch, 32))
+        _backends[arch] = make_backend(gpu_target(arch))
     return _backends[arch]
 
 
@@ -175,20 +228,19 @@ def cache_key(jit, request: CompileRequest) -> str:
         options = backend.parse_options(dict(request.options))
     env = sorted(get_cache_invalidating_env_vars().items())
     triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
-    return hashlib.sha256(f"smemguard-preflight-1|cuda:{request.arch}|{triton_key}".encode()).hexdigest()
+    return hashlib.sha256(f"smemguard-preflight-1|{request.backend}:{request.arch}|{triton_key}".encode()).hexdigest()
 
 
 def compile_request(jit, request: CompileRequest) -> dict:
     """Compile for the request's arch; the measured result (``shared`` or ``error``). Never raises
     for a config that does not compile: that is a verdict."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     started = time.perf_counter()
     try:
         # Triton prints a ptxas reproducer on stdout when ptxas fails; stdout may be --json.
         with _quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
-            kernel = triton.compile(_source(jit, request), target=GPUTarget("cuda", request.arch, 32),
+            kernel = triton.compile(_source(jit, request), target=gpu_target(request.arch),
                                     options=dict(request.options))
         return {"shared": int(kernel.metadata.shared), "error": None, "seconds": time.perf_counter() - started}
     except Exception as error:  # CompilationError, PTXASError, assertion in a pass: the config does not compile

@@ -13,7 +13,7 @@ MAX_ERRORS_SHOWN = 5
 
 def _cell(verdict: Verdict) -> str:
     if verdict.verdict == NOT_CHECKED:
-        return "not checked (AMD)"
+        return "not checked"
     if verdict.verdict == ERROR:
         return "error"
     word = "fits" if verdict.verdict == FITS else "OVER"
@@ -56,8 +56,8 @@ def format_summary(report: Report) -> str:
         lines.append(f"{kernel.name}: {len(kernel.variants)} configs, specializations {specs}{unit}")
     lines.append("")
     for gpu in report.gpus:
-        if gpu.capability is None:
-            lines.append(f"{gpu.name} ({gpu.arch}): not checked (AMD GPUs cannot be compiled for here)")
+        if not report.checked(gpu):
+            lines.append(f"{gpu.name} ({gpu.arch}): not checked: {report.unchecked[gpu.name]}")
             continue
         parts = []
         for k, kernel in enumerate(report.kernels):
