@@ -21,6 +21,14 @@ process its own incident file, in a directory per run; a second generated module
 runs); all runs share one Triton compile cache, which holds no decisions, and a suite's observe
 and on runs start once its plain run has filled it (``--jobs`` runs at a time).
 
+``--tuning-from-plain`` starts each observe and on run with a copy of its suite's plain run's
+``FLAGGEMS_CACHE_DIR``: FlagGems then loads the configs it tuned at the GPU's own limit instead of
+tuning again under the emulated one, as a deployment that ships the tuning of a big GPU to a small
+one does (and its 30 to 160 s of tuning per new shape are paid once). ``--tuning-dir DIR`` takes
+that copy from DIR instead (a plain run's ``flaggems-cache`` kept from an earlier call), and
+``--plain-from JSON`` takes the plain runs of that earlier call's results file as this one's, so that
+a suite too slow for one device call is compared across two (``--modes observe,on`` in the second).
+
 The third-party test sources and wheels are not ours and are never committed: they live in
 git-ignored folders (``.field/``, ``.whl/``); ``benchmarks/field_suites.md`` says how to fill
 them and gives the commands of the recorded runs. Usage (on the GPU machine, with FlagGems,
@@ -428,6 +436,10 @@ class Harness:
             return {**result, "skipped": "not started: too little time left in --budget", "tests": {}}
         command = self.command(run, run_dir)
         env = self.environ(run, run_dir)
+        tuning = self.tuning_source(run)
+        if tuning is not None:
+            shutil.copytree(tuning, env["FLAGGEMS_CACHE_DIR"])
+            result["tuning_from"] = str(tuning)
         self.progress(f"start {run.label}")
         started = time.monotonic()
         with open(run_dir / "pytest.log", "wb") as log:
@@ -468,6 +480,13 @@ class Harness:
         self.progress(f"done  {run.label}: {wall:.0f} s, rc {process.returncode}"
                       f"{' (timed out)' if timed_out else ''}, {dict(counts)}, records {dict(actions)}")
         return result
+
+    def tuning_source(self, run: Run) -> Path | None:
+        """The FlagGems tuning an observe or on run starts from (``--tuning-from-plain``), if any."""
+        if run.mode == "plain" or not self.args.tuning_from_plain:
+            return None
+        source = self.args.tuning_dir or self.work / Run(run.suite, "plain", None).label / "flaggems-cache"
+        return source if source.is_dir() else None
 
     def progress(self, message: str) -> None:
         with self._lock:
@@ -567,6 +586,12 @@ def parse_args(argv=None):
                         help="seconds one run may take before it is interrupted (default 1800)")
     parser.add_argument("--budget", type=float, default=7200,
                         help="seconds for everything; runs not started in time are skipped (default 7200)")
+    parser.add_argument("--tuning-from-plain", action="store_true",
+                        help="observe and on runs start from a copy of the plain run's FlagGems tuning")
+    parser.add_argument("--tuning-dir", type=Path, metavar="DIR",
+                        help="with --tuning-from-plain: copy this FLAGGEMS_CACHE_DIR instead of this call's plain run's")
+    parser.add_argument("--plain-from", type=Path, metavar="JSON",
+                        help="take the plain runs of this earlier results file (with --modes observe,on)")
     parser.add_argument("--report", type=Path, metavar="JSON", help="print the table of an earlier results file and exit")
     args = parser.parse_args(argv)
     if not args.limits:
@@ -623,6 +648,16 @@ def run_all(execute, runs: list[Run], jobs: int, finished) -> None:
             future.result()
 
 
+def earlier_plain_runs(path: Path, suites: list[str]) -> list[dict]:
+    try:
+        runs = [run for run in json.loads(path.read_text())["runs"] if run["mode"] == "plain" and run["suite"] in suites]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--plain-from: {path} is not a results file of this script ({type(error).__name__}: {error})")
+    if not runs:
+        raise UsageError(f"--plain-from: {path} has no plain run of {', '.join(suites)}")
+    return runs
+
+
 def report(path: Path) -> int:
     try:
         results = json.loads(path.read_text())
@@ -663,8 +698,13 @@ def main(argv=None) -> int:
                                  "source": SUITES[name].source,
                                  "commit": _read(field / SUITES[name].root / "COMMIT")} for name in args.suites},
                "options": {"workers": args.workers, "jobs": args.jobs, "test_timeout": args.test_timeout,
-                           "run_timeout": args.run_timeout, "budget": args.budget},
+                           "run_timeout": args.run_timeout, "budget": args.budget,
+                           "tuning_from_plain": args.tuning_from_plain,
+                           "tuning_dir": str(args.tuning_dir) if args.tuning_dir else None},
                "runs": []}
+    if args.plain_from is not None:
+        results["plain_from"] = str(args.plain_from)
+        results["runs"] += earlier_plain_runs(args.plain_from, args.suites)
     harness.progress(f"{len(planned_runs(args))} runs, {args.jobs} at a time; work directory {work}; "
                      f"environment {json.dumps(environment)}")
     def finished(result: dict) -> None:

@@ -11,7 +11,9 @@ versions come from one run:
   stages-only     a plain ``matmul_kernel`` launch, 128x128x64 with 5 stages, under 40000 B
 
 Compiles are counted with Triton's ``knobs.runtime.jit_cache_hook`` (every JIT cache miss), so
-both trees are measured the same way. On a machine without a GPU, ``--harness`` compiles for
+both trees are measured the same way. ``seconds`` is the whole failing launch (the compile of the
+config that overflows included); ``smemguard s`` the incident record's ``recovery_ms``: from
+catching the error to the decision. On a machine without a GPU, ``--harness`` compiles for
 sm_90 on smemguard's CPU stand-in (nothing executes); on a GPU the limit is emulated.
 
     python benchmarks/incident_compiles.py --tree before=.field/smemguard-base --tree after=. --harness
@@ -33,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = {"autotune-trap": 65536, "smallest-fit": 8192, "nothing-fits": 2048, "stages-only": 40000}
 
 WORKER = r"""
-import contextlib, json, sys, time
+import contextlib, json, pathlib, sys, tempfile, time
 import torch, triton
 from triton import knobs
 scenario, limit, harness = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+log = pathlib.Path(tempfile.mkdtemp()) / "incidents.jsonl"
 import smemguard
 from smemguard.settings import Settings
 from smemguard.examples import FLAGGEMS_MATMUL_CONFIGS, autotuned_matmul, matmul_args, matmul_kernel, tiled_grid
@@ -48,10 +51,10 @@ a, b, c = (torch.randn(512, 512, dtype=torch.float16, device=device) for _ in ra
 if harness:
     from smemguard.testing import fake_gpu
     place = fake_gpu(90, max_shared=limit)
-    smemguard.install(Settings(cache_dir=None))
+    smemguard.install(Settings(cache_dir=None, log_path=log))
 else:
     place = contextlib.nullcontext()
-    smemguard.install(Settings(max_shared=limit, cache_dir=None))
+    smemguard.install(Settings(max_shared=limit, cache_dir=None, log_path=log))
 with place:
     if scenario == "stages-only":
         launch = lambda: matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
@@ -68,8 +71,9 @@ with place:
     except triton.runtime.errors.OutOfResources:
         outcome = "re-raised"
     seconds = time.perf_counter() - started
+record = json.loads(log.read_text().splitlines()[0])
 print(json.dumps({"compiles": len(compiles) - 1, "seconds": round(seconds, 3), "outcome": outcome,
-                  "smemguard": smemguard.__file__}))
+                  "recovery_s": round(record["recovery_ms"] / 1000, 3), "smemguard": smemguard.__file__}))
 """
 
 
@@ -104,10 +108,10 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "harness": args.harness, "python": sys.version.split()[0]}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"{'scenario':14} {'tree':8} {'limit':>7} {'outcome':10} {'compiles':>8} {'seconds':>8}")
+    print(f"{'scenario':14} {'tree':8} {'limit':>7} {'outcome':10} {'compiles':>8} {'seconds':>8} {'smemguard s':>11}")
     for r in results:
         print(f"{r['scenario']:14} {r['tree']:8} {r['limit']:>7} {r.get('outcome', r.get('error', '?'))[:40]:10} "
-              f"{r.get('compiles', '-'):>8} {r.get('seconds', '-'):>8}")
+              f"{r.get('compiles', '-'):>8} {r.get('seconds', '-'):>8} {r.get('recovery_s', '-'):>11}")
     return 0
 
 

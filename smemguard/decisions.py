@@ -345,9 +345,7 @@ def _from_entry(launch, kind: str, entry: dict):
         config = _config_from_entry(launch, entry["config"])
         if config is None:
             return None
-        candidate = with_config(launch, config)
-        candidate.run_config_pre_hook()
-        _, attempt = try_compile(candidate, introspect.config_text(config))
+        _, attempt = try_compile(with_config(launch, config), introspect.config_text(config))
         if attempt.fits:
             ladder.adopt(launch, config)
             return ladder.Decision(ladder.CONFIG_CHANGED, (attempt,), config=config, final=attempt.config,

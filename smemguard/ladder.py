@@ -14,9 +14,16 @@ kernel is never launched to find out whether it fits):
    timed with the tuner's own benchmark and the fastest wins. A candidate keeps the config's
    other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
    code and its speed, never whether it fits (``waves_per_eu`` and ``kpack`` change no byte of
-   LDS, ``matrix_instr_nonkdim`` under 1 KiB of gfx950's padding: ``benchmarks/amd_lds_sweep.py``);
+   LDS, ``matrix_instr_nonkdim`` under 1 KiB of gfx950's padding: ``benchmarks/amd_lds_sweep.py``).
+   The candidates still wanted are compiled together (:func:`smemguard.launch.try_compile_all`);
 3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
 4. otherwise nothing: the original error is re-raised (:mod:`smemguard.recovery`).
+
+Where the failing launch's measured bytes lie inside the calibrated envelope of a matmul with
+its tiles (:func:`smemguard.estimate.envelope`), the estimate steers both rungs: a candidate
+whose one stage of tiles alone is :data:`~smemguard.estimate.ESTIMATE_MARGIN` over the limit is
+not compiled, and a measurement that is exactly S stages of tiles gives the stage count that fits
+at once. Only a compile says that a candidate fits.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ import dataclasses
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import introspect, registry, runtime
-from .launch import Attempt, Launch, describe, try_compile, with_config
+from . import estimate, introspect, registry, runtime
+from .launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,10 @@ MAX_CANDIDATES = 16
 #: tuned config with fewer stages and the fastest-timed other configs. Fewer stages keep the
 #: tiles but can cost a third of the throughput (benchmarks/recovered_speed.py).
 RACE = 3
+
+#: Batches of candidates compiled only to find rivals for a candidate that already fits: racing is
+#: worth one concurrent batch, not a search through every config that overflows.
+RACE_BATCHES = 1
 
 STAGES_REDUCED = "stages_reduced"
 WARPS_REDUCED = "warps_reduced"
@@ -64,7 +76,8 @@ class Decision:
     options: dict | None = None  # the option change that made it ({"num_stages": 3})
     remembered: bool = False  # taken from the decision cache rather than by trying candidates
     timings: dict | None = None  # median ms of each fitting candidate timed before choosing
-    skipped: tuple[str, ...] = ()  # candidates not compiled: measurements showed they cannot fit
+    skipped: tuple[str, ...] = ()  # candidates not compiled: measurements or the estimate showed they cannot fit
+    compile_ms: float = 0.0  # wall-clock time spent compiling candidates (concurrent compiles counted once)
 
 
 def _is_tile(name: str, value) -> bool:
@@ -84,6 +97,43 @@ class _Measured:
     overflowing: list = dataclasses.field(default_factory=list)  # (constexprs, num_stages) measured too big
     skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
     stages_inert: str = ""  # why fewer stages were given up, when they did not lower the bytes
+    # The arch and pointer types of the failing launch, when the calibrated lower bound holds its measured bytes.
+    estimated: tuple | None = None
+    compile_ms: float = 0.0
+
+    @classmethod
+    def of(cls, launch: Launch, failing, error) -> "_Measured":
+        measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
+        arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
+        signature = getattr(getattr(failing, "src", None), "signature", None) or {}
+        pointer_types = [ty[1:] for ty in signature.values() if isinstance(ty, str) and ty.startswith("*")]
+        own = estimate.envelope(arch, _constexprs(launch), pointer_types, failing.metadata.num_stages,
+                                failing.metadata.num_warps)
+        # Trusted for this kernel only when its own measurement is what a calibrated matmul's would be.
+        if own is not None and error.required is not None and own.holds(error.required):
+            measured.estimated = (arch, pointer_types)
+        return measured
+
+    def too_big(self, constexprs: dict, stages: int, warps: int) -> int | None:
+        """The calibrated lower bound of a candidate when it is :data:`estimate.ESTIMATE_MARGIN` above
+        the limit: it certainly overflows, so it is not compiled."""
+        if self.estimated is None:
+            return None
+        arch, pointer_types = self.estimated
+        bounds = estimate.envelope(arch, constexprs, pointer_types, stages, warps)
+        return bounds.low if bounds is not None and bounds.decides(self.limit) == estimate.OVERFLOWS else None
+
+    def stage_bytes(self, constexprs: dict, stages: int, warps: int, required: int) -> int | None:
+        """The bytes of one pipeline stage, when ``required`` is exactly what ``stages`` stages of
+        the tiles need (every stage buffered, or one in registers): a line that the stage ladder
+        can follow before it has measured two counts."""
+        if self.estimated is None:
+            return None
+        arch, pointer_types = self.estimated
+        bounds = estimate.envelope(arch, constexprs, pointer_types, stages, warps)
+        if bounds is None:
+            return None
+        return bounds.low if required in (stages * bounds.low, (stages - 1) * bounds.low) else None
 
     def dominated(self, constexprs: dict, stages: int) -> tuple | None:
         """A measured overflow this candidate cannot need less than: every tile at least as large,
@@ -114,7 +164,15 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
             warps //= 2
         return
     last_stages, last_bytes = failing.metadata.num_stages, error.required
+    bound = measured.too_big(_constexprs(launch), 1, failing.metadata.num_warps)
+    if bound is not None and last_stages > 1:
+        measured.skipped.append(f"num_stages=1 to {last_stages - 1}: at least {bound} B, one stage of its tiles "
+                                "(calibrated estimate)")
+        return
     stages = last_stages - 1
+    per_stage = measured.stage_bytes(_constexprs(launch), last_stages, failing.metadata.num_warps, last_bytes)
+    if per_stage and stages >= 1:
+        stages = max(1, min(stages, last_stages - math.ceil((last_bytes - measured.limit) / per_stage)))
     while stages >= 1 and budget > 0:
         budget -= 1
         kernel, attempt = try_compile(launch, f"num_stages={stages}", num_stages=stages)
@@ -248,10 +306,11 @@ def decide(launch: Launch, failing, error) -> Decision:
     attempts = [Attempt(describe(launch, failing), error.required, error.limit, False)]
     budget = MAX_CANDIDATES
     fitting: list[Decision] = []  # candidates that fit, most preferred first
-    measured = _Measured(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
+    measured = _Measured.of(launch, failing, error)
 
     for option, value, kernel, attempt in _option_attempts(launch, failing, error, measured, budget):
         budget -= 1
+        measured.compile_ms += attempt.compile_ms or 0.0
         attempts.append(attempt)
         if attempt.fits:
             action = WARPS_REDUCED if option == "num_warps" else STAGES_REDUCED
@@ -261,45 +320,71 @@ def decide(launch: Launch, failing, error) -> Decision:
     wanted = RACE if racing else 1
     fitted_bases: list = []  # a config that fits needs no fewer-stage variant
     reference = (launch.config if launch.config is not None else _launch_as_config(launch, failing), error.required)
-    for config, base in _candidate_configs(launch, reference, error.limit) if len(fitting) < wanted else ():
-        if budget == 0 or len(fitting) >= wanted:
+    candidates = list(_candidate_configs(launch, reference, error.limit)) if len(fitting) < wanted else []
+    raced_batches = 0  # batches compiled only to find more candidates to race, once one fits
+    while budget > 0 and len(fitting) < wanted and raced_batches < RACE_BATCHES:
+        # As many as are still wanted, compiled together: the ones predicted to fit usually do.
+        batch = _next_batch(launch, candidates, fitted_bases, measured, min(wanted - len(fitting), budget))
+        if not batch:
             break
-        if any(base is fitted for fitted in fitted_bases):
-            continue
-        dominated = measured.dominated(_constexprs(with_config(launch, config)), config.num_stages)
-        if dominated is not None:
-            measured.skipped.append(f"{introspect.config_text(config)}: at least as big as a config measured too big")
-            continue
-        budget -= 1
-        attempt = _try_config(launch, config, attempts, measured)
-        # The order only predicts: a variant that fits may leave a stage to spare. Climb while its own
-        # bytes per stage say the next count of the same config may fit too (more stages: usually faster).
-        while (attempt.fits and config is not base and config.num_stages + 1 < base.num_stages and budget > 0
-               and _may_take_a_stage_more(attempt, config.num_stages)):
-            budget -= 1
-            more = variant(base, num_stages=config.num_stages + 1)
-            if not _try_config(launch, more, attempts, measured).fits:
-                break
-            config, attempt = more, attempts[-1]
-        if attempt.fits:
-            fitted_bases.append(base)
-            fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
+        raced_batches += bool(fitting)
+        budget -= len(batch)
+        for (config, base), attempt in zip(batch, _try_configs(launch, [config for config, _ in batch], attempts,
+                                                               measured)):
+            # The order only predicts: a variant that fits may leave a stage to spare. Climb while its own
+            # bytes per stage say the next count of the same config may fit too (more stages: usually faster).
+            while (attempt.fits and config is not base and config.num_stages + 1 < base.num_stages and budget > 0
+                   and _may_take_a_stage_more(attempt, config.num_stages)):
+                budget -= 1
+                more = variant(base, num_stages=config.num_stages + 1)
+                if not _try_configs(launch, [more], attempts, measured)[0].fits:
+                    break
+                config, attempt = more, attempts[-1]
+            if attempt.fits:
+                fitted_bases.append(base)
+                fitting.append(Decision(CONFIG_CHANGED, (), config=config, final=attempt.config))
 
-    skipped = tuple(measured.skipped)
+    skipped, compile_ms = tuple(measured.skipped), round(measured.compile_ms, 3)
     if fitting:
         chosen, timings = _fastest(launch, fitting) if racing and len(fitting) > 1 else (fitting[0], None)
         if chosen.action == CONFIG_CHANGED:
             adopt(launch, chosen.config)
-        return dataclasses.replace(chosen, attempts=tuple(attempts), timings=timings, skipped=skipped)
+        return dataclasses.replace(chosen, attempts=tuple(attempts), timings=timings, skipped=skipped,
+                                   compile_ms=compile_ms)
 
     fallback = registry.fallback_for(launch.jit)
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
-                        final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped)
+                        final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped, compile_ms=compile_ms)
     reason = _why_nothing_fits(launch, budget)
     if measured.stages_inert:
         reason = f"{measured.stages_inert}; {reason}"
-    return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped)
+    return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped, compile_ms=compile_ms)
+
+
+def _next_batch(launch: Launch, candidates: list, fitted_bases: list, measured: _Measured, size: int) -> list:
+    """Take from ``candidates`` the next ``size`` (candidate, base) pairs worth compiling: not a variant
+    of a config that fits, nor of one already in the batch (it may fit yet), not at least as big as a
+    measured overflow, not certainly too big by the calibrated estimate."""
+    batch: list = []
+    index = 0
+    while index < len(candidates) and len(batch) < size:
+        config, base = candidates[index]
+        if any(base is chosen for _, chosen in batch):
+            index += 1
+            continue
+        del candidates[index]
+        if any(base is fitted for fitted in fitted_bases):
+            continue
+        constexprs = _constexprs(with_config(launch, config))
+        if measured.dominated(constexprs, config.num_stages) is not None:
+            measured.skipped.append(f"{introspect.config_text(config)}: at least as big as a config measured too big")
+        elif (bound := measured.too_big(constexprs, config.num_stages, config.num_warps)) is not None:
+            measured.skipped.append(f"{introspect.config_text(config)}: at least {bound} B, one stage of its tiles "
+                                    "(calibrated estimate)")
+        else:
+            batch.append((config, base))
+    return batch
 
 
 def _may_take_a_stage_more(attempt: Attempt, stages: int) -> bool:
@@ -309,16 +394,19 @@ def _may_take_a_stage_more(attempt: Attempt, stages: int) -> bool:
     return stages == 1 or attempt.required * stages <= attempt.limit * (stages - 1)
 
 
-def _try_config(launch: Launch, config, attempts: list, measured: _Measured) -> Attempt:
-    """Compile ``launch`` with the tuner config (or alternative) ``config``; note what it showed."""
-    candidate = with_config(launch, config)
-    # A TMA pre_hook sets descriptor block shapes, which are part of the compiled signature.
-    candidate.run_config_pre_hook()
-    _, attempt = try_compile(candidate, introspect.config_text(config))
-    attempts.append(attempt)
-    if not attempt.fits and attempt.required is not None:
-        measured.overflowing.append((_constexprs(candidate), config.num_stages))
-    return attempt
+def _try_configs(launch: Launch, configs: list, attempts: list, measured: _Measured) -> list[Attempt]:
+    """Compile ``launch`` with each tuner config (or alternative) of ``configs``, concurrently where
+    Triton allows it; note what each showed."""
+    candidates = [with_config(launch, config) for config in configs]
+    started = time.perf_counter()
+    compiled = try_compile_all([(candidate, introspect.config_text(config))
+                                for candidate, config in zip(candidates, configs)])
+    measured.compile_ms += (time.perf_counter() - started) * 1000
+    for candidate, config, (_, attempt) in zip(candidates, configs, compiled):
+        attempts.append(attempt)
+        if not attempt.fits and attempt.required is not None:
+            measured.overflowing.append((_constexprs(candidate), config.num_stages))
+    return [attempt for _, attempt in compiled]
 
 
 def _capturing() -> bool:

@@ -87,7 +87,11 @@ class Launch:
         the parameter as well as reading it as the option. Changing such an option is allowed only
         when the kernel leaves the parameter unused or passes it on as that same option
         (``tl.range(..., num_stages=num_stages)``), so that the result cannot change.
+
+        The config's pre-hook runs first: a TMA pre-hook sets descriptor block shapes, which are part
+        of the compiled signature (and so, under concurrent compiles, bound in turn).
         """
+        self.run_config_pre_hook()
         shared_names = [name for name in options if name in self.jit.arg_names]
         if not shared_names:
             return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
@@ -229,8 +233,53 @@ def try_compile(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
     try:
         kernel = launch.compile(**options)
     except Exception as error:
-        return None, Attempt(label, None, None, False, introspect.error_summary(error, width=200),
-                             internal_error=isinstance(error, INTERNAL_ERRORS), compile_ms=_ms_since(started))
+        return None, _not_compiled(label, error, started)
+    return _checked(launch, kernel, started)
+
+
+def try_compile_all(candidates: list[tuple[Launch, str]]) -> list[tuple[Any, Attempt]]:
+    """:func:`try_compile` for each (launch, label), in order, the compiles running concurrently
+    where Triton allows it: its ``AsyncCompileMode`` (Triton 3.5 and later) binds and specializes
+    the arguments in this thread, so pre-hooks and argument checks run in order, and runs the
+    compiler in worker threads (ptxas and much of MLIR's work release the GIL). Checking a compiled
+    kernel against the limit stays in this thread, which holds the device context."""
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:  # Triton 3.4
+        _async_compile = None
+    if len(candidates) < 2 or _async_compile is None or _async_compile.active_mode.get() is not None:
+        return [try_compile(launch, label) for launch, label in candidates]
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = time.perf_counter()
+    results: list[tuple[Any, Attempt]] = []
+    with ThreadPoolExecutor(len(candidates), thread_name_prefix="smemguard-compile") as pool, \
+            _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+        pending = []
+        for launch, label in candidates:
+            try:
+                pending.append(launch.compile())
+            except Exception as error:  # binding failed: nothing was submitted
+                pending.append(error)
+        for (launch, label), kernel in zip(candidates, pending):
+            try:
+                if isinstance(kernel, Exception):
+                    raise kernel
+                if isinstance(kernel, _async_compile.FutureKernel):
+                    kernel = kernel.result()
+            except Exception as error:
+                results.append((None, _not_compiled(label, error, started)))
+                continue
+            results.append(_checked(launch, kernel, started))
+    return results
+
+
+def _not_compiled(label: str, error: Exception, started: float) -> Attempt:
+    return Attempt(label, None, None, False, introspect.error_summary(error, width=200),
+                   internal_error=isinstance(error, INTERNAL_ERRORS), compile_ms=_ms_since(started))
+
+
+def _checked(launch: Launch, kernel, started: float) -> tuple[Any, Attempt]:
     fits, required, limit = check(kernel)
     return kernel, Attempt(describe(launch, kernel), required, limit, fits, compile_ms=_ms_since(started))
 

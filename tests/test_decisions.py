@@ -161,6 +161,7 @@ def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
     [record] = records(tmp_path / "second.jsonl")
     assert record["remembered"] is True and record["action"] == "config_changed"
     assert len(record["attempts"]) == 1, "only the remembered config is compiled to confirm it fits"
-    # tuning both configs, fewer stages of the tuned one (2, 1), then the other's variant predicted to fit (2)
-    assert first["compiled"] == [3, 4, 2, 1, 2], "tuning both configs, then the ladder"
+    # tuning both configs, the stage count of the tuned one its measured bytes give (1), then the other's
+    # variant predicted to fit (2)
+    assert first["compiled"] == [3, 4, 1, 2], "tuning both configs, then the ladder"
     assert second["compiled"] == [3, 4, 2], "tuning both configs, then only the remembered config"

@@ -1,5 +1,7 @@
 """The candidate ladder compiles only what may fit: measured bytes steer it, decisions stay measured."""
 
+import threading
+
 import pytest
 import torch
 from triton.runtime.errors import OutOfResources
@@ -15,23 +17,97 @@ def operands(n=256):
 
 
 def test_fewer_stages_go_straight_to_the_count_the_measured_bytes_predict(install_guard, incident_log, triton_cache):
-    """sm_90 keeps every stage in shared memory (32768 B a stage for 128x128x64 fp16): from 5 stages
-    the second compile is already the one stage that fits, not 3, 2 and 1 in turn."""
+    """sm_86 (no calibrated estimate) keeps one stage in registers, 32768 B a stage for 128x128x64
+    fp16: from 5 stages (131072 B) and 4 (98304 B) the line says 2, the largest count that fits
+    40000 B, compiled next rather than 3 and then 2."""
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu(86, max_shared=40000, cache_dir=triton_cache) as gpu:
+        matmul_kernel[(2, 2)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
+    (record,) = records(incident_log)
+    assert record["action"] == "stages_reduced" and gpu.launches[-1].num_stages == 2
+    assert [attempt.get("changes") for attempt in record["attempts"][1:]] == ["num_stages=4", "num_stages=2"]
+    assert record["compiles"] == 2 and record["compile_ms"] > 0 and record["skipped"] == []
+
+
+def test_a_measurement_the_calibrated_estimate_explains_gives_the_stage_count_at_once(install_guard, incident_log,
+                                                                                      triton_cache):
+    """sm_90 (calibrated) keeps every stage in shared memory: 163840 B at 5 stages is exactly 5 stages
+    of 128x128x64 fp16 tiles, so the first compile is the one stage that fits 40000 B."""
     a, b, c = operands()
     install_guard()
     with fake_gpu(90, max_shared=40000, cache_dir=triton_cache) as gpu:
         matmul_kernel[(2, 2)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
     (record,) = records(incident_log)
-    assert record["action"] == "stages_reduced" and gpu.launches[-1].num_stages == 1
-    assert [attempt.get("changes") for attempt in record["attempts"][1:]] == ["num_stages=4", "num_stages=1"]
-    assert record["compiles"] == 2 and record["compile_ms"] > 0
+    assert record["required"] == 163840 and gpu.launches[-1].num_stages == 1
+    assert [attempt.get("changes") for attempt in record["attempts"][1:]] == ["num_stages=1"]
+    assert record["compiles"] == 1
+
+
+def test_stages_whose_tiles_alone_overflow_by_the_estimate_are_not_compiled(install_guard, incident_log, triton_cache):
+    """One stage of 256x128x128 fp16 tiles is 98304 B, over a T4's 65536 B by more than the margin:
+    no stage count can fit, and none is compiled; the decision is still a measured one."""
+    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 128, 64, 2)]
+    tuned = autotuned(configs)
+    a, b, c = operands()
+    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    install_guard()
+    with fake_gpu(90, max_shared=65536, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    assert record["action"] == "config_changed" and gpu.launches[-1].shared <= 65536
+    assert record["skipped"][0] == "num_stages=1 to 3: at least 98304 B, one stage of its tiles (calibrated estimate)"
+    compiled = [attempt["changes"] for attempt in record["attempts"][1:]]
+    assert not any("num_stages" in text and "BLOCK" not in text for text in compiled), compiled
+    assert all(attempt["fits"] for attempt in record["attempts"][1:]) and record["compiles"] <= 3
+
+
+def test_no_estimate_for_a_kernel_whose_bytes_it_does_not_explain(install_guard, incident_log, triton_cache):
+    """The same tiles on sm_86, outside the calibrated archs: every stage count is compiled and measured."""
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu(86, max_shared=20000, cache_dir=triton_cache), pytest.raises(OutOfResources):
+        matmul_kernel[(2, 2)](*matmul_args(a, b, c), BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_stages=3,
+                              num_warps=8)
+    (record,) = records(incident_log)
+    assert record["skipped"] == [] and record["compiles"] >= 1
+
+
+def test_candidate_configs_compile_concurrently_and_decide_as_one_at_a_time(install_guard, incident_log,
+                                                                            triton_cache):
+    """Triton 3.5 and later compile the configs of one batch in worker threads; the decision is the
+    one the same candidates give compiled in turn (Triton 3.4, below)."""
+    from triton import knobs
+
+    pytest.importorskip("triton.runtime._async_compile", reason="Triton 3.4 has no AsyncCompileMode: compiles in turn")
+
+    compiled_in = []
+    listener = knobs.compilation.listener
+    knobs.compilation.listener = lambda **_: compiled_in.append(threading.current_thread().name)
+    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2), config(64, 128, 32, 3)]
+    tuned = autotuned(configs)
+    a, b, c = operands()
+    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    install_guard()
+    try:
+        with fake_gpu(90, max_shared=65536, cache_dir=triton_cache):
+            tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
+    finally:
+        knobs.compilation.listener = listener
+    (record,) = records(incident_log)
+    assert record["compiles"] == 3 and all(attempt["fits"] for attempt in record["attempts"][1:])
+    # the failing compile ran in the launching thread, the three candidates in smemguard's workers
+    assert compiled_in[0] == threading.current_thread().name
+    assert len(compiled_in) == 4 and all(name.startswith("smemguard-compile") for name in compiled_in[1:])
+    assert record["compile_ms"] <= sum(attempt["compile_ms"] for attempt in record["attempts"][1:])
 
 
 def test_stages_that_do_not_lower_the_bytes_stop_the_ladder(install_guard, incident_log, triton_cache):
-    """sm_89 keeps one stage in registers: 128x128x64 needs 32768 B at 2 stages and at 1."""
+    """sm_89 keeps one stage in registers: 128x128x64 needs 32768 B at 2 stages and at 1 (within the
+    estimate's margin of 30000 B, so the one stage is compiled and measured)."""
     a, b, c = operands()
     install_guard()
-    with fake_gpu("L4", max_shared=20000, cache_dir=triton_cache), pytest.raises(OutOfResources):
+    with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache), pytest.raises(OutOfResources):
         matmul_kernel[(2, 2)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=2)
     (record,) = records(incident_log)
     assert record["action"] == "reraised" and record["compiles"] == 1

@@ -22,12 +22,13 @@ deploy risk on a GPU when, for some specialization, none of its configs fits.
 Speed. Results are cached on disk under Triton's own compile-cache key (Triton, kernel source and
 dependencies, signature, constants, attributes, options, ptxas version, arch) in
 ``<SMEMGUARD_CACHE_DIR>/preflight``; compiles run in a pool of processes; and for matmul-like
-configs a calibrated interval estimate decides the clear cases (:mod:`.estimate`). Estimated
+configs a calibrated interval estimate decides the clear cases (:mod:`smemguard.estimate`, which
+recovery uses too). Estimated
 verdicts are labelled as such everywhere; ``--exact`` compiles all.
 
 One module per job, each importing only those listed before it: :mod:`.model` (what is checked),
 :mod:`.discovery` (finding kernels, their argument types), :mod:`.compiling` (compile requests,
-the cache key, the process pool), :mod:`.cache` (results on disk), :mod:`.estimate`,
+the cache key, the process pool), :mod:`.cache` (results on disk),
 :mod:`.check` (the scheduler, the verdicts, the report and its JSON), :mod:`.output` (the text).
 
 The runtime counterpart, :func:`smemguard.fits`, lives in :mod:`smemguard.pruning`: serving
@@ -38,7 +39,7 @@ from .cache import ResultCache, default_cache
 from .check import Progress, Report, Verdict, check
 from .compiling import build_request, cache_key
 from .discovery import discover
-from .estimate import Estimate, estimate
+from ..estimate import Estimate, estimate
 from .model import (ALIGNED, CACHED, ERROR, ESTIMATED, FITS, MEASURED, MISALIGNED, NOT_CHECKED, OVERFLOWS,
                     CheckedKernel, Specialization, TargetError, Variant)
 from .output import format_summary, format_table

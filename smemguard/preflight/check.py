@@ -15,7 +15,7 @@ from .. import gpus, introspect
 from .._version import __version__
 from .cache import ResultCache
 from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
-from .estimate import Estimate, estimate
+from ..estimate import Estimate, estimate
 from .model import (CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
                     Specialization, Variant)
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import incidents, introspect
+from ..estimate import ELEMENT_BYTES, FITS, OVERFLOWS  # the estimate decides in the check's own words
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"
 
-FITS = "fits"
-OVERFLOWS = "overflows"
 ERROR = "error"
 NOT_CHECKED = "not_checked"
 
@@ -20,10 +19,6 @@ MEASURED = "measured"
 CACHED = "cached"
 ESTIMATED = "estimated"
 
-#: Bytes per element of each Triton scalar type a pointer can point to.
-ELEMENT_BYTES = {"fp8e4nv": 1, "fp8e5": 1, "fp8e4b15": 1, "fp8e4b8": 1, "fp8e5b16": 1, "i8": 1, "u8": 1,
-                 "fp16": 2, "bf16": 2, "i16": 2, "u16": 2, "fp32": 4, "i32": 4, "u32": 4, "fp64": 8, "i64": 8,
-                 "u64": 8}
 
 
 class TargetError(ValueError):

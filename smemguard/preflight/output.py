@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import gpus
 from .check import Report, Verdict
-from .estimate import ESTIMATE_MARGIN
+from ..estimate import ESTIMATE_MARGIN
 from .model import CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS
 
 #: Distinct error messages the text report lists (``--json`` has every one).

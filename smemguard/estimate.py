@@ -47,7 +47,7 @@ misaligned on the three archs, the AMD options on 12 configs, bf16 and fp32 subs
 
 A verdict is taken from the estimate only when the whole interval is :data:`ESTIMATE_MARGIN` clear of the
 limit, and only for a kernel whose measured configs agree with the model on that arch,
-specialization and code path (:mod:`.check` decides which): the configs nearest the limit on each
+specialization and code path (:mod:`smemguard.preflight.check` decides which): the configs nearest the limit on each
 side are always compiled, and one measurement outside its interval makes the check compile every
 config of that group.
 """
@@ -57,8 +57,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .compiling import CompileRequest
-from .model import ELEMENT_BYTES, FITS, OVERFLOWS, Specialization
+
+#: Bytes per element of each Triton scalar type a pointer can point to.
+ELEMENT_BYTES = {"fp8e4nv": 1, "fp8e5": 1, "fp8e4b15": 1, "fp8e4b8": 1, "fp8e5b16": 1, "i8": 1, "u8": 1,
+                 "fp16": 2, "bf16": 2, "i16": 2, "u16": 2, "fp32": 4, "i32": 4, "u32": 4, "fp64": 8, "i64": 8,
+                 "u64": 8}
+
+#: The verdicts an estimate can decide (the check's words for them).
+FITS = "fits"
+OVERFLOWS = "overflows"
 
 #: How far (relative) an estimate's whole interval must be from the limit to decide a verdict.
 #: Every calibration measurement lies inside its interval; the margin covers other Triton releases
@@ -113,22 +120,16 @@ class Estimate:
         return (limit - self.high) / limit if self.high <= limit else (self.low - limit) / limit
 
 
-def estimate(request: CompileRequest, spec: Specialization) -> Estimate | None:
-    """Calibrated bounds for a matmul-like compile, or None outside the calibrated domain
-    (arch, operand type, tile sizes, stages, warps): then only a compile can tell."""
-    tiles = _tiles(request.constants)
+def estimate(request, spec) -> Estimate | None:
+    """Calibrated bounds for a matmul-like compile (``request``: a preflight ``CompileRequest``,
+    ``spec``: its ``Specialization``), or None outside the calibrated domain (arch, operand type,
+    tile sizes, stages, warps): then only a compile can tell."""
     pointer_types = [ty[1:] for ty in request.signature.values() if ty.startswith("*")]
-    if request.arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types:
+    stages, warps = request.options["num_stages"], request.options["num_warps"]
+    domain = _in_domain(request.arch, request.constants, pointer_types, stages, warps)
+    if domain is None:
         return None
-    operand, stages, warps = pointer_types[0], request.options["num_stages"], request.options["num_warps"]
-    block_m, block_n, block_k = tiles
-    operands = CALIBRATED_OPERANDS if isinstance(request.arch, int) else CALIBRATED_AMD_OPERANDS
-    in_domain = (operand in operands and all(ty in ELEMENT_BYTES for ty in pointer_types)
-                 and 32 <= min(block_m, block_n) and max(block_m, block_n) <= 256 and 32 <= block_k <= 128
-                 and 1 <= stages <= 5 and warps in (4, 8))
-    if not in_domain:
-        return None
-    element = ELEMENT_BYTES[operand]
+    element, (block_m, block_n, block_k) = domain
     if not isinstance(request.arch, int):
         return None if spec.ones else _amd_estimate(request.arch, spec, block_m * block_k * element,
                                                     block_k * block_n * element, stages)
@@ -146,7 +147,39 @@ def estimate(request: CompileRequest, spec: Specialization) -> Estimate | None:
     return Estimate(pipelined, max(pipelined, epilogue), "mma")
 
 
-def _amd_estimate(arch: str, spec: Specialization, a_tile: int, b_tile: int, stages: int) -> Estimate:
+def envelope(arch, constants: dict, pointer_types: list[str], stages: int, warps: int) -> Estimate | None:
+    """Bounds that hold in every specialization (aligned, misaligned, ``N == 1``) of a matmul-like
+    compile, or None outside the calibrated domain: from one stage of its A and B tiles to all its
+    stages and an output tile, on NVIDIA. None on AMD: its intervals were calibrated without
+    arguments equal to 1, and a launch cannot tell an ``N == 1`` from a unit stride.
+
+    What recovery uses, knowing only a launch: a kernel whose measured bytes lie inside its envelope
+    is taken for a matmul like the calibrated ones, and its candidates whose lower bound is
+    :data:`ESTIMATE_MARGIN` above the limit are not compiled."""
+    domain = _in_domain(arch, constants, pointer_types, stages, warps)
+    if domain is None or not isinstance(arch, int):
+        return None
+    element, (block_m, block_n, block_k) = domain
+    stage = (block_m * block_k + block_k * block_n) * element
+    epilogue = block_m * block_n * max(ELEMENT_BYTES[ty] for ty in pointer_types)
+    return Estimate(stage, stages * stage + epilogue, "any")
+
+
+def _in_domain(arch, constants: dict, pointer_types: list[str], stages: int, warps: int):
+    """(bytes per operand element, (BLOCK_M, BLOCK_N, BLOCK_K)) inside the calibrated domain, else None."""
+    tiles = _tiles(constants)
+    if arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types:
+        return None
+    operand = pointer_types[0]
+    block_m, block_n, block_k = tiles
+    operands = CALIBRATED_OPERANDS if isinstance(arch, int) else CALIBRATED_AMD_OPERANDS
+    in_domain = (operand in operands and all(ty in ELEMENT_BYTES for ty in pointer_types)
+                 and 32 <= min(block_m, block_n) and max(block_m, block_n) <= 256 and 32 <= block_k <= 128
+                 and 1 <= stages <= 5 and warps in (4, 8))
+    return (ELEMENT_BYTES[operand], tiles) if in_domain else None
+
+
+def _amd_estimate(arch: str, spec, a_tile: int, b_tile: int, stages: int) -> Estimate:
     stage = a_tile + b_tile
     if stages > 1 and _async_copy(arch):
         high = stage * stages * (1 + ASYNC_COPY_PADDING) if spec.aligned else stage * stages
