@@ -295,7 +295,18 @@ def jit_keys_of(launch: Launch, failing):
     compiled (and stored) their own copy of the failing kernel.
     """
     kernel_cache = launch.jit.device_caches[runtime.current_device()][0]
-    return (key for key, kernel in list(kernel_cache.items()) if kernel.hash == failing.hash)
+    return (key for key, entry in list(kernel_cache.items())
+            if (kernel := _compiled(entry)) is not None and kernel.hash == failing.hash)
+
+
+def _compiled(entry):
+    """The kernel a JIT cache entry holds. Under Triton's async compile mode an entry is a
+    ``FutureKernel`` until its compile is finalized: its kernel once it is, None before (a compile
+    still running, or failed, is not waited for here)."""
+    import triton
+
+    future_kernel = getattr(triton, "FutureKernel", None)  # Triton >= 3.5
+    return entry.kernel if future_kernel is not None and isinstance(entry, future_kernel) else entry
 
 
 def replace_in_jit_cache(launch: Launch, failing, replacement) -> None:

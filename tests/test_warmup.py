@@ -1,6 +1,8 @@
 """Decisions at warm-up: a kernel compiled by ``kernel.warmup(...)`` that would not fit is replaced
 then, so that its first launch pays no exception and no compile."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import triton
@@ -37,6 +39,29 @@ def test_a_warmup_compile_that_does_not_fit_is_replaced_before_the_first_launch(
     assert launched is warmed, "the first launch ran the kernel decided at warm-up"
     assert [launch.num_stages for launch in gpu.launches] == [3]
     assert len(records(incident_log)) == 1, "and raised nothing"
+
+
+def test_in_async_compile_mode_a_warmup_is_decided_when_finalized_without_waiting_on_other_compiles(
+        install_guard, incident_log, triton_cache):
+    """vLLM compiles its CUDA warm-up in ``triton.AsyncCompileMode`` (some of it with ``ignore_errors``):
+    ``warmup`` returns a ``FutureKernel`` and nothing is waited for; finalizing it (here inside the mode,
+    while a sibling compile that fails is still unfinalized in the same JIT cache) decides it, its
+    candidates compiled at once."""
+    a, b, c = operands()
+    dtypes_and_sizes = (torch.float16, torch.float16, torch.float16, *matmul_args(a, b, c)[3:])
+    install_guard(cache_dir=None)
+    with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu, ThreadPoolExecutor(1) as pool:
+        with triton.AsyncCompileMode(pool, ignore_errors=True):
+            warmed = matmul_kernel.warmup(*dtypes_and_sizes, grid=(1,), **CONFIG)
+            matmul_kernel.warmup(*dtypes_and_sizes, grid=(1,), **{**CONFIG, "BLOCK_K": 48})  # not a power of 2
+            assert isinstance(warmed, triton.FutureKernel) and records(incident_log) == [], "nothing waited for"
+            decided = warmed.result()
+            assert type(decided) is triton.compiler.CompiledKernel and decided.metadata.num_stages == 3
+        (record,) = records(incident_log)
+        assert record["phase"] == "warmup" and record["action"] == "stages_reduced"
+        launched = matmul_kernel[(2, 2)](*matmul_args(a, b, c), **CONFIG)
+    assert launched is decided and warmed.result() is decided
+    assert [launch.num_stages for launch in gpu.launches] == [3] and len(records(incident_log)) == 1
 
 
 def test_a_warmup_that_fits_or_runs_in_observe_mode_is_left_as_it_is(install_guard, incident_log, triton_cache):

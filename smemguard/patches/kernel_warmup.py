@@ -10,18 +10,30 @@ and no compile. ``warmup`` returns the kernel that will run. Nothing is launched
 kernel (whose candidates would be timed by launching them) is left to its first launch, and so
 is any decision that cannot live in the JIT cache (another config, a fallback).
 
+Under Triton's async compile mode (``triton.AsyncCompileMode``: vLLM 0.33 compiles its CUDA
+warm-up in such a pool, ``compile_triton_warmup``) ``warmup`` returns a ``FutureKernel`` while the
+pool compiles. Deciding then would wait for the compile, and the pool would compile one kernel at a
+time; the decision is taken when the compile is finalized instead (``FutureKernel.result``, which the
+mode's exit calls for every compile), and the future then resolves to the kernel that will run. The
+decision's own candidates compile at once, outside the mode.
+
 The replacement is a plain function calling the original, like the launch guard: ``warmup``
 is not on the launch path, but one frame more or less keeps the two patches alike.
 ``Autotuner.warmup`` (which compiles every config, overflowing ones included, as the
 autotuner's benchmarking will see them) is not touched.
 
-Checked against Triton 3.6.0 and 3.9.0: ``KernelInterface.warmup(self, *args, grid, **kwargs)``
-returns ``self.run(grid=grid, warmup=True, *map(MockTensor.wrap_dtype, args), **kwargs)``.
+Checked against Triton 3.6.0, 3.8.0 and 3.9.0: ``KernelInterface.warmup(self, *args, grid, **kwargs)``
+returns ``self.run(grid=grid, warmup=True, *map(MockTensor.wrap_dtype, args), **kwargs)``; under an
+active ``AsyncCompileMode`` a JIT cache miss returns a ``FutureKernel`` whose ``kernel`` is None until
+``result(ignore_errors=False)`` finalizes it (3.6 has no ``__getattr__`` forwarding to the kernel).
 Triton 3.4 defines ``warmup`` on ``JITFunction`` instead; there the decision is taken at the
 first launch.
 """
 
 from __future__ import annotations
+
+import contextvars
+import functools
 
 from ..versions import Supported
 
@@ -43,25 +55,54 @@ def _kernel_interface():
     return KernelInterface
 
 
-def _make_deciding_warmup(original, wrap_dtype, on_warmup):
+def _make_deciding_warmup(original, wrap_dtype, on_warmup, async_compile):
 
     def warmup(self, *args, grid, **kwargs):
         kernel = original(self, *args, grid=grid, **kwargs)
-        return on_warmup(self, grid, tuple(map(wrap_dtype, args)), kwargs, kernel)
+        decide = functools.partial(on_warmup, self, grid, tuple(map(wrap_dtype, args)), kwargs)
+        if isinstance(kernel, async_compile.FutureKernel):
+            return _decide_when_finalized(kernel, functools.partial(_outside, async_compile, decide))
+        return decide(kernel)
 
     warmup.__smemguard__ = True
     return warmup
+
+
+def _decide_when_finalized(future, decide):
+    """``future``, deciding on its kernel when it is finalized rather than now (which would wait)."""
+    if future.kernel is not None:  # finalized already: another warm-up asked for the same compile
+        return decide(future.kernel)
+    finalize = future.result
+
+    def result(ignore_errors=False):
+        if future.kernel is None:
+            compiled = finalize(ignore_errors)  # Triton's: caches the kernel, sets future.kernel
+            if compiled is not None:
+                future.kernel = decide(compiled)
+        return future.kernel
+
+    future.result = result
+    return future
+
+
+def _outside(async_compile, decide, compiled):
+    """``decide(compiled)`` with the async compile mode off: its candidates compile here, as
+    ``CompiledKernel`` objects, wherever ``result()`` was called (inside the mode or at its exit)."""
+    context = contextvars.copy_context()
+    context.run(async_compile.active_mode.set, None)
+    return context.run(decide, compiled)
 
 
 def patch(context) -> None:
     global _original
     if is_patched():
         return
+    from triton.runtime import _async_compile
     from triton.runtime.jit import MockTensor
 
     cls = _kernel_interface()
     _original = cls.__dict__["warmup"]
-    cls.warmup = _make_deciding_warmup(_original, MockTensor.wrap_dtype, context.on_warmup)
+    cls.warmup = _make_deciding_warmup(_original, MockTensor.wrap_dtype, context.on_warmup, _async_compile)
 
 
 def unpatch() -> None:
