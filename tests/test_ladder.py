@@ -16,6 +16,14 @@ def operands(n=256):
     return tuple(torch.randn(n, n, dtype=torch.float16) for _ in range(3))
 
 
+def tuned_elsewhere(configs):
+    """``matmul_kernel`` autotuned over ``configs``, its choice for the 256^3 fp16 key made where the
+    first one fit (a bigger GPU's tuning); with the operands of that key."""
+    tuned = autotuned(configs)
+    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    return tuned, operands()
+
+
 def test_fewer_stages_go_straight_to_the_count_the_measured_bytes_predict(install_guard, incident_log, triton_cache):
     """sm_86 (no calibrated estimate) keeps one stage in registers, 32768 B a stage for 128x128x64
     fp16: from 5 stages (131072 B) and 4 (98304 B) the line says 2, the largest count that fits
@@ -48,9 +56,7 @@ def test_stages_whose_tiles_alone_overflow_by_the_estimate_are_not_compiled(inst
     """One stage of 256x128x128 fp16 tiles is 98304 B, over a T4's 65536 B by more than the margin:
     no stage count can fit, and none is compiled; the decision is still a measured one."""
     configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 128, 64, 2)]
-    tuned = autotuned(configs)
-    a, b, c = operands()
-    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    tuned, (a, b, c) = tuned_elsewhere(configs)
     install_guard()
     with fake_gpu(90, max_shared=65536, cache_dir=triton_cache) as gpu:
         tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
@@ -85,9 +91,7 @@ def test_candidate_configs_compile_concurrently_and_decide_as_one_at_a_time(inst
     listener = knobs.compilation.listener
     knobs.compilation.listener = lambda **_: compiled_in.append(threading.current_thread().name)
     configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2), config(64, 128, 32, 3)]
-    tuned = autotuned(configs)
-    a, b, c = operands()
-    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    tuned, (a, b, c) = tuned_elsewhere(configs)
     install_guard()
     try:
         with fake_gpu(90, max_shared=65536, cache_dir=triton_cache):
@@ -116,9 +120,7 @@ def test_stages_that_do_not_lower_the_bytes_stop_the_ladder(install_guard, incid
 
 def test_configs_at_least_as_big_as_one_measured_too_big_are_not_compiled(install_guard, incident_log, triton_cache):
     configs = [config(128, 128, 64, 3), config(256, 128, 64, 4), config(128, 256, 64, 3), config(64, 64, 64, 3)]
-    tuned = autotuned(configs)
-    a, b, c = operands()
-    tuned.cache[(256, 256, 256, "torch.float16", "torch.float16", "torch.float16")] = configs[0]
+    tuned, (a, b, c) = tuned_elsewhere(configs)
     install_guard()
     with fake_gpu(90, max_shared=30000, cache_dir=triton_cache) as gpu:
         tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
