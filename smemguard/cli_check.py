@@ -54,8 +54,13 @@ what the check needs to know (guessed, or given):
                    get --dtype; other arguments are i32. --sig NAME=TYPE,... fixes a guess
                    (TYPE: *fp16, *bf16, *fp32, i32, i64, fp32).
   strides of 1     the innermost stride of a contiguous tensor is 1 in every launch, which Triton
-                   compiles as a constant: by default the last of each group stride_xm, stride_xk
-                   (--unit NAMES to say which, --unit none for none).
+                   compiles as a constant (vectorized, pipelined loads: more shared memory). Read
+                   from the source: the integer argument multiplying a tensor's last-axis offset
+                   (a_ptr + rm[:, None] * sam + rk[None, :] * sak: sak) when it is also the last of
+                   that tensor's strides in argument order. Where the source does not tell (a tile
+                   loaded transposed), both cases are checked, with those strides equal to 1 and
+                   without ("non-unit"), the worse counts, and the report names them. --unit NAMES
+                   to say which are 1, --unit none for none.
   configs          an autotuner's own list; for a plain @triton.jit kernel, one --meta per config.
   constexprs       --const NAME=VALUE for those no config sets (HEAD_DIM=128).
   A module can declare the same per kernel: SMEMGUARD_PREFLIGHT = {"kernel": {"dtype": "fp32",
@@ -148,7 +153,8 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--one", action="append", metavar="NAME[,NAME...]",
                         help="also check launches where these integer arguments equal 1 (N == 1); repeatable")
     parser.add_argument("--unit", metavar="NAMES|auto|none",
-                        help="arguments that are 1 in every launch (innermost strides; default auto)")
+                        help="arguments that are 1 in every launch (innermost strides; default auto: read "
+                             "from the source, both cases checked where it does not tell)")
     parser.add_argument("--dtype", metavar="TYPE", help="element type of pointer arguments (default fp16)")
     parser.add_argument("--sig", action="append", metavar="NAME=TYPE,...", help="argument types (scale=fp32)")
     parser.add_argument("--exact", action="store_true", help="compile every config (no estimated verdicts)")

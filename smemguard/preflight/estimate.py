@@ -58,7 +58,7 @@ import re
 from dataclasses import dataclass
 
 from .compiling import CompileRequest
-from .model import ELEMENT_BYTES, FITS, OVERFLOWS, Specialization
+from .model import BY_ORDER, ELEMENT_BYTES, FITS, OVERFLOWS, Specialization
 
 #: How far (relative) an estimate's whole interval must be from the limit to decide a verdict.
 #: Every calibration measurement lies inside its interval; the margin covers other Triton releases
@@ -115,10 +115,13 @@ class Estimate:
 
 def estimate(request: CompileRequest, spec: Specialization) -> Estimate | None:
     """Calibrated bounds for a matmul-like compile, or None outside the calibrated domain
-    (arch, operand type, tile sizes, stages, warps): then only a compile can tell."""
+    (arch, operand type, tile sizes, stages, warps, unit inner strides): then only a compile can tell."""
     tiles = _tiles(request.constants)
     pointer_types = [ty[1:] for ty in request.signature.values() if ty.startswith("*")]
-    if request.arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types:
+    # The calibration launches had unit inner strides, as *x.stride() passes them for contiguous tensors;
+    # other strides change what can be pipelined.
+    if request.arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types or \
+            spec.unit_guess not in (None, BY_ORDER):
         return None
     operand, stages, warps = pointer_types[0], request.options["num_stages"], request.options["num_warps"]
     block_m, block_n, block_k = tiles

@@ -10,6 +10,12 @@ from .. import incidents, introspect
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"
+#: Readings of the strides the source leaves unsure (see :mod:`.source`): the last of each tensor's
+#: strides in argument order is 1 (the plain specializations), the one on the tile's last axis is 1
+#: (named "<specialization> by-layout"), none of them is 1 ("<specialization> non-unit").
+BY_ORDER = "by-order"
+BY_LAYOUT = "by-layout"
+NON_UNIT = "non-unit"
 
 FITS = "fits"
 OVERFLOWS = "overflows"
@@ -26,6 +32,10 @@ ELEMENT_BYTES = {"fp8e4nv": 1, "fp8e5": 1, "fp8e4b15": 1, "fp8e4b8": 1, "fp8e5b1
                  "u64": 8}
 
 
+#: Integer types Triton's launcher marks as divisible by 16 and turns into a constant when 1.
+INT_TYPES = ("i32", "i64", "u32", "u64")
+
+
 class TargetError(ValueError):
     """A check that cannot start: unknown GPU, unimportable target, malformed option."""
 
@@ -35,9 +45,13 @@ class Specialization:
     name: str
     aligned: bool
     ones: tuple[str, ...] = ()  # integer arguments equal to 1 in this specialization
+    # For a kernel with unsure strides: the reading (BY_ORDER, BY_LAYOUT, NON_UNIT) and the strides it takes as 1.
+    unit_guess: str | None = None
+    guessed_ones: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"name": self.name, "aligned": self.aligned, "ones": list(self.ones)}
+        return {"name": self.name, "aligned": self.aligned, "ones": list(self.ones), "unit_guess": self.unit_guess,
+                "guessed_ones": list(self.guessed_ones)}
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,8 @@ class CheckedKernel:
     specializations: list[Specialization]
     heuristics: list[dict] = field(default_factory=list)  # values of triton.heuristics layers
     locator: tuple[str, str, str | None] | None = None  # (module, attribute, file) for worker processes
+    # Innermost strides the source leaves unsure; each specialization says which it takes as 1 (guessed_ones).
+    unsure_unit_args: tuple[str, ...] = ()
 
     @property
     def jit_name(self) -> str:
