@@ -126,6 +126,11 @@ def test_the_unit_hint_settles_unsure_strides(monkeypatch, capsys, results, trit
     assert check_cli(target + ["--unit", "none"], monkeypatch, results, triton_cache) == 0
     out = capsys.readouterr().out
     assert "always 1" not in out and "unsure" not in out
+    # Unsure and --json: the document lists the readings, stderr says what to do.
+    assert check_cli(target[:-3] + ["--json"], monkeypatch, results, triton_cache) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["kernels"][0]["unsure_unit_args"] == ["swn", "swk"]
+    assert "weight_nk_matmul: unsure which strides are 1 at launch: swn, swk" in captured.err
     assert check_cli(target + ["--unit", "sak,nope"], monkeypatch, results, triton_cache) == 2
     assert "--unit names ['nope'], which are not runtime parameters" in capsys.readouterr().err
 

@@ -44,9 +44,9 @@ from .discovery import discover
 from .estimate import Estimate, estimate
 from .model import (ALIGNED, CACHED, ERROR, ESTIMATED, FITS, MEASURED, MISALIGNED, NON_UNIT, NOT_CHECKED, OVERFLOWS,
                     CheckedKernel, Specialization, TargetError, Variant)
-from .output import format_summary, format_table
+from .output import format_summary, format_table, unsure_strides
 
 __all__ = ["discover", "check", "format_table", "format_summary", "ResultCache", "default_cache", "build_request",
            "cache_key", "estimate", "Estimate", "CheckedKernel", "Specialization", "Variant", "Progress", "Report",
            "Verdict", "TargetError", "ALIGNED", "MISALIGNED", "FITS", "OVERFLOWS", "ERROR", "NOT_CHECKED", "MEASURED",
-           "CACHED", "ESTIMATED", "NON_UNIT"]
+           "CACHED", "ESTIMATED", "NON_UNIT", "unsure_strides"]

@@ -40,7 +40,8 @@ _READINGS = {BY_ORDER: "by argument order", BY_LAYOUT: f"by tile layout ('{BY_LA
              NON_UNIT: f"none of them ('{NON_UNIT}')"}
 
 
-def _unsure_strides(kernel) -> str:
+def unsure_strides(kernel) -> str:
+    """What the check could not tell about the kernel's strides, what it did, and the ``--unit`` that settles it."""
     readings = {spec.unit_guess: spec.guessed_ones for spec in kernel.specializations}
     checked = ", ".join(_READINGS[guess] + (f": {', '.join(ones)} = 1" if ones else "")
                         for guess, ones in readings.items())
@@ -69,7 +70,7 @@ def format_summary(report: Report) -> str:
         unit = f"; always 1: {', '.join(kernel.unit_args)}" if kernel.unit_args else ""
         lines.append(f"{kernel.name}: {len(kernel.variants)} configs, specializations {specs}{unit}")
         if kernel.unsure_unit_args:
-            lines.append("  " + _unsure_strides(kernel))
+            lines.append("  " + unsure_strides(kernel))
     lines.append("")
     for gpu in report.gpus:
         if not report.checked(gpu):
