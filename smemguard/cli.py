@@ -28,6 +28,7 @@ EPILOG = """\
 examples:
   smemguard demo                 reproduce an L4 overflow on this machine (no GPU needed) and recover it
   smemguard demo --gpu T4        a T4's 65536-byte limit, against a config tuned on an A100
+  smemguard demo --gpu MI300X    the same trap on an AMD MI300X's 65536 bytes of LDS (Triton's HIP backend)
   smemguard gpus                 the GPU names accepted by SMEMGUARD_MAX_SHARED and their limits
   smemguard check --examples --gpu L4,A100,H100   which configs of the example kernels overflow which GPU
   smemguard report rank*.jsonl   what happened overnight: kernels, GPUs, counts, actions
@@ -63,7 +64,8 @@ entries cannot be applied (each named on stderr; show and export leave them out,
 clear and import act on the cache directory only; export writes FILE only.
 """
 DEMO_EXIT = """\
-exit status: 0 shown; 2 --gpu is not an NVIDIA GPU from 'smemguard gpus'. Honours SMEMGUARD (off,
+exit status: 0 shown; 2 --gpu is not a GPU from 'smemguard gpus', or this Triton cannot compile for
+that AMD GPU here (Triton 3.4 needs an ld.lld: the line says which). Honours SMEMGUARD (off,
 observe) and SMEMGUARD_LOG (the record is appended there, else written to a temporary file removed
 at the end); decisions stay in memory, never in SMEMGUARD_CACHE_DIR.
 """
@@ -119,7 +121,7 @@ class DemoScenario:
 
 
 def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
-    """The demo's configs for ``gpu`` (an NVIDIA GPU of :mod:`smemguard.gpus`); the tests run each.
+    """The demo's configs for ``gpu`` (any GPU of :mod:`smemguard.gpus`); the tests run each.
 
     From sm_80 on, Triton multi-buffers the operand tiles in shared memory through asynchronous
     copies, which need 16-byte-aligned pointers: tuned on misaligned views, the 5-stage winner
@@ -129,13 +131,23 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
     operand whatever the alignment and the stage count, so the winner is one chosen on an A100, as
     a tuning result carried to another GPU (a tuning database, a config file) would be: fp32
     32x32x512, 131072 B, which fits the A100's 166912 B (fp32 keeps the tile, and the compile, small).
-    Measured on Triton 3.4, 3.6 and 3.9.
+
+    On gfx90a and gfx942 Triton's stream pipeliner leaves the misaligned A tile out of LDS: the
+    4-stage fp16 128x128x64 winner needs 65536 B on misaligned views and 98304 B aligned (S-1
+    stages); 3 stages fit. gfx1100 (from Triton 3.6) and gfx950 (3.6; from 3.8 async copies straight
+    into LDS) pipeline misaligned loads too, so there the winner is one tuned on an H100: fp16
+    32x32x512 at 4 stages, 196608 B on sm_90 (of 232448), over the LDS of both (196608 B; 272304 B
+    on gfx950 with Triton 3.9); 2 or 3 stages fit. Measured on Triton 3.4, 3.6 and 3.9.
     """
     import triton
 
     def config(block_m, block_n, block_k, stages):
         return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), num_stages=stages, num_warps=4)
 
+    if gpu.backend == "hip":
+        if gpu.arch in ("gfx90a", "gfx942"):
+            return DemoScenario(gpu, True, "fp16", [config(128, 128, 64, 4), config(64, 64, 32, 2)])
+        return DemoScenario(gpus.lookup("H100"), False, "fp16", [config(32, 32, 512, 4), config(64, 64, 32, 2)])
     if gpu.capability >= 80:
         block_n = 256 if gpu.max_shared > 160000 else 128
         return DemoScenario(gpu, True, "fp16", [config(128, block_n, 64, 5), config(64, block_n // 2, 32, 2)])
@@ -144,11 +156,17 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
 
 def _demo(args) -> int:
     gpu = gpus.lookup(args.gpu)
-    if gpu is None or gpu.capability is None:
-        known = ", ".join(g.name for g in gpus.GPUS if g.capability is not None)
-        print(f"smemguard demo: {args.gpu!r} is not an NVIDIA GPU from 'smemguard gpus' (the stand-in compiles "
-              f"for NVIDIA targets only); one of: {known}", file=sys.stderr)
+    if gpu is None:
+        print(f"smemguard demo: {args.gpu!r} is not a GPU from 'smemguard gpus'; one of: "
+              f"{', '.join(gpus.names())}", file=sys.stderr)
         return 2
+    if gpu.backend == "hip":
+        from .preflight.compiling import hip_compile_problem
+
+        problem = hip_compile_problem()
+        if problem is not None:
+            print(f"smemguard demo: cannot compile for the {gpu.name} ({gpu.arch}) here: {problem}", file=sys.stderr)
+            return 2
     import torch
     import triton
     from triton.runtime.errors import OutOfResources
@@ -166,8 +184,9 @@ def _demo(args) -> int:
     b, c = torch.empty(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
     grid = tiled_grid(n, n)
     big = scenario.configs[0]
+    memory = "of shared memory per block" if gpu.backend == "cuda" else "of LDS (shared memory) per workgroup"
     print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
-          f"({gpu.arch}, {gpu.max_shared} B of shared memory per block); no kernel executes.")
+          f"({gpu.arch}, {gpu.max_shared} B {memory}); no kernel executes.")
     if settings.max_shared is not None:
         print(f"({MAX_SHARED} does not apply here: --gpu sets the limit.)")
     print()
@@ -418,12 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="reproduce a small GPU's overflow here (no GPU needed) and recover it",
                                description="Autotunes an example matmul on misaligned views, then launches it on "
                                            "aligned tensors of the same shape: the winner overflows, first without "
-                                           "smemguard, then recovered by it (GPUs that do not multi-buffer "
-                                           "aligned loads, the V100 and the T4, use a config tuned on an A100 "
-                                           "instead). Triton compiles for real; the stand-in GPU executes nothing.",
+                                           "smemguard, then recovered by it. Where alignment does not change the "
+                                           "bytes, a config tuned on a bigger GPU is launched instead: tuned on an "
+                                           "A100 for the V100 and the T4 (no multi-buffered loads), on an H100 "
+                                           "for the MI350X/MI355X and the RX7900XTX/W7900 (their misaligned loads "
+                                           "are pipelined too). Triton compiles for real (NVIDIA through ptxas, "
+                                           "AMD through its HIP backend); the stand-in GPU executes nothing.",
                                epilog=DEMO_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_argument("--gpu", default="L4", help="NVIDIA GPU to stand in for (default: L4; any NVIDIA GPU of "
-                                                  "'smemguard gpus')")
+    demo.add_argument("--gpu", default="L4", help="GPU to stand in for (default: L4; any GPU of 'smemguard gpus', "
+                                                  "NVIDIA or AMD)")
     demo.set_defaults(run=_demo)
     table = commands.add_parser("gpus", help="list the GPUs smemguard knows and their per-block shared-memory limits",
                                 description="The per-block opt-in shared-memory limit Triton checks, per GPU. Any "

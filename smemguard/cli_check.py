@@ -54,8 +54,14 @@ what the check needs to know (guessed, or given):
                    get --dtype; other arguments are i32. --sig NAME=TYPE,... fixes a guess
                    (TYPE: *fp16, *bf16, *fp32, i32, i64, fp32).
   strides of 1     the innermost stride of a contiguous tensor is 1 in every launch, which Triton
-                   compiles as a constant: by default the last of each group stride_xm, stride_xk
-                   (--unit NAMES to say which, --unit none for none).
+                   compiles as a constant (vectorized, pipelined loads: more shared memory). Read
+                   from the source: the integer argument multiplying a tensor's last-axis offset
+                   (a_ptr + rm[:, None] * sam + rk[None, :] * sak: sak) when it is also the last of
+                   that tensor's strides in argument order. Where the two disagree (a tile loaded
+                   transposed), every reading is checked: the argument order's stride equal to 1,
+                   the tile layout's ("... by-layout"), neither ("... non-unit"); the worse counts,
+                   and the report names them. --unit NAMES to say which are 1 in every launch,
+                   --unit none for none.
   configs          an autotuner's own list; for a plain @triton.jit kernel, one --meta per config.
   constexprs       --const NAME=VALUE for those no config sets (HEAD_DIM=128).
   A module can declare the same per kernel: SMEMGUARD_PREFLIGHT = {"kernel": {"dtype": "fp32",
@@ -63,7 +69,8 @@ what the check needs to know (guessed, or given):
   (see smemguard/examples.py); options given here win.
 
 --json: {"schema": "smemguard.check/1", "exit_status", "gpus": [{name, arch, limit, checked}],
-  "kernels": [{kernel, jit, specializations, unit_args, configs: [{config, constexprs, num_warps,
+  "kernels": [{kernel, jit, specializations: [{name, aligned, ones, unit_guess, guessed_ones}],
+  unit_args, unsure_unit_args, configs: [{config, constexprs, num_warps,
   num_stages, gpus: {GPU: {fits, specializations: {SPEC: {verdict: fits|overflows|error|not_checked,
   how: measured|cached|estimated, shared, estimate: {low, high}, error}}}}}]}],
   "summary": {GPU: {checked, configs, fit, kernels_without_fit: [{kernel, specializations}]}},
@@ -148,7 +155,8 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--one", action="append", metavar="NAME[,NAME...]",
                         help="also check launches where these integer arguments equal 1 (N == 1); repeatable")
     parser.add_argument("--unit", metavar="NAMES|auto|none",
-                        help="arguments that are 1 in every launch (innermost strides; default auto)")
+                        help="arguments that are 1 in every launch (innermost strides; default auto: read "
+                             "from the source, every reading checked where it does not tell)")
     parser.add_argument("--dtype", metavar="TYPE", help="element type of pointer arguments (default fp16)")
     parser.add_argument("--sig", action="append", metavar="NAME=TYPE,...", help="argument types (scale=fp32)")
     parser.add_argument("--exact", action="store_true", help="compile every config (no estimated verdicts)")
@@ -201,6 +209,9 @@ def run_check(args) -> int:
                    progress=None if args.quiet else _progress_printer())
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
+        if not args.quiet:  # the text summary says it; the document only lists them
+            for kernel in (kernel for kernel in kernels if kernel.unsure_unit_args):
+                print(f"smemguard check: {kernel.name}: {preflight.unsure_strides(kernel)}", file=sys.stderr)
     else:
         print(format_table(report))
         print()

@@ -153,5 +153,8 @@ SMEMGUARD_PREFLIGHT = {
         # A (K, 1) weight and a (M, 1) output, as in vLLM's N == 1 case: every stride of B and C is 1 too.
         "ones": [("N", "stride_bk", "stride_bn", "stride_cm", "stride_cn")],
     },
-    "attention_fwd": {"dtype": "fp16", "signature": {"sm_scale": "fp32"}, "constants": {"HEAD_DIM": 128}},
+    # K is loaded transposed (its last-axis offset multiplies stride_kn), so the source alone leaves
+    # unsure which stride of K is 1; attention_args passes contiguous tensors: the head_dim strides.
+    "attention_fwd": {"dtype": "fp16", "signature": {"sm_scale": "fp32"}, "constants": {"HEAD_DIM": 128},
+                      "unit": ["stride_qd", "stride_kd", "stride_vd", "stride_od"]},
 }

@@ -15,9 +15,11 @@ each config is compiled as the launches that matter would compile it:
 - on request, ``NAME=1``: the aligned launch with named integer arguments equal to 1, which Triton
   turns into constants (``N == 1`` changes what the pipeline buffers).
 
-Arguments that are 1 in every launch (the innermost stride of a contiguous tensor) are constants in
-all of them. A config fits a GPU when it fits in every specialization checked; a kernel is a
-deploy risk on a GPU when, for some specialization, none of its configs fits.
+Arguments that are 1 in every launch (the innermost stride of a contiguous tensor, read from the
+kernel's source by :mod:`.source`) are constants in all of them. Strides the source leaves unsure
+are 1 in each specialization above and not 1 in a ``non-unit`` twin of it. A config fits a GPU when
+it fits in every specialization checked; a kernel is a deploy risk on a GPU when, for some
+specialization, none of its configs fits.
 
 Speed. Results are cached on disk under Triton's own compile-cache key (Triton, kernel source and
 dependencies, signature, constants, attributes, options, ptxas version, arch) in
@@ -27,7 +29,8 @@ recovery uses too). Estimated
 verdicts are labelled as such everywhere; ``--exact`` compiles all.
 
 One module per job, each importing only those listed before it: :mod:`.model` (what is checked),
-:mod:`.discovery` (finding kernels, their argument types), :mod:`.compiling` (compile requests,
+:mod:`.source` (reading a kernel's source: pointers, unit strides), :mod:`.discovery` (finding
+kernels, their argument types), :mod:`.compiling` (compile requests,
 the cache key, the process pool), :mod:`.cache` (results on disk),
 :mod:`.check` (the scheduler, the verdicts, the report and its JSON), :mod:`.output` (the text).
 
@@ -40,11 +43,11 @@ from .check import Progress, Report, Verdict, check
 from .compiling import build_request, cache_key
 from .discovery import discover
 from ..estimate import Estimate, estimate
-from .model import (ALIGNED, CACHED, ERROR, ESTIMATED, FITS, MEASURED, MISALIGNED, NOT_CHECKED, OVERFLOWS,
+from .model import (ALIGNED, CACHED, ERROR, ESTIMATED, FITS, MEASURED, MISALIGNED, NON_UNIT, NOT_CHECKED, OVERFLOWS,
                     CheckedKernel, Specialization, TargetError, Variant)
-from .output import format_summary, format_table
+from .output import format_summary, format_table, unsure_strides
 
 __all__ = ["discover", "check", "format_table", "format_summary", "ResultCache", "default_cache", "build_request",
            "cache_key", "estimate", "Estimate", "CheckedKernel", "Specialization", "Variant", "Progress", "Report",
            "Verdict", "TargetError", "ALIGNED", "MISALIGNED", "FITS", "OVERFLOWS", "ERROR", "NOT_CHECKED", "MEASURED",
-           "CACHED", "ESTIMATED"]
+           "CACHED", "ESTIMATED", "NON_UNIT", "unsure_strides"]

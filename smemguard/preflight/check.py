@@ -16,7 +16,7 @@ from .._version import __version__
 from .cache import ResultCache
 from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
 from ..estimate import Estimate, estimate
-from .model import (CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
+from .model import (BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
                     Specialization, Variant)
 
 #: Version of the ``--json`` document (see :func:`Report.to_json`).
@@ -181,8 +181,9 @@ class Report:
              "gpus": [{"name": "L4", "arch": "sm_89", "limit": 101376, "checked": true}, ...],
              "kernels": [{"kernel": "smemguard.examples:flaggems_matmul",
                           "jit": "smemguard.examples:matmul_kernel",
-                          "specializations": [{"name": "aligned", "aligned": true, "ones": []}, ...],
-                          "unit_args": ["stride_ak", "stride_bn", "stride_cn"],
+                          "specializations": [{"name": "aligned", "aligned": true, "ones": [],
+                                               "unsure_strides_one": true}, ...],
+                          "unit_args": ["stride_ak", "stride_bn", "stride_cn"], "unsure_unit_args": [],
                           "configs": [{"config": "BLOCK_M=128 ... num_stages=4",
                                        "constexprs": {"BLOCK_M": 128, ...}, "num_warps": 4, "num_stages": 4,
                                        "gpus": {"L4": {"fits": false,
@@ -195,7 +196,9 @@ class Report:
                    "shared": bytes measured (null when estimated or failed),
                    "estimate": {"low": bytes, "high": bytes} (estimated only), "error": "..." (errors only)}.
         A config "fits" a GPU when it fits in every specialization. "cached" is a measurement
-        made by an earlier run.
+        made by an earlier run. "unit_args" are 1 in every specialization; "unsure_unit_args" are
+        strides the source leaves unsure: 1 in the specializations with "unsure_strides_one", not
+        in their "... non-unit" twins.
         """
         import triton
 
@@ -212,7 +215,8 @@ class Report:
                 configs.append({**variant.to_json(), "gpus": per_gpu})
             kernels.append({"kernel": kernel.name, "jit": kernel.jit_name,
                             "specializations": [spec.to_json() for spec in kernel.specializations],
-                            "unit_args": list(kernel.unit_args), "configs": configs})
+                            "unit_args": list(kernel.unit_args), "unsure_unit_args": list(kernel.unsure_unit_args),
+                            "configs": configs})
         summary = {}
         for gpu in self.gpus:
             checked = self.checked(gpu)
@@ -264,7 +268,9 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                         item.result = cache.get(item.request.key)
                         if item.result is not None:
                             item.how, cache_hits = CACHED, cache_hits + 1
-                        if not exact:
+                        # The calibration launches had unit inner strides, as *x.stride() passes them for
+                        # contiguous tensors; other strides change what can be pipelined.
+                        if not exact and spec.unit_guess in (None, BY_ORDER):
                             item.interval = estimate(item.request, spec)
                     items[(k, v, spec.name, arch)] = item
                     group_items.append(item)

@@ -18,10 +18,7 @@ from typing import Any
 
 from .. import gpus, introspect, runtime
 from .discovery import jit_from_locator
-from .model import ELEMENT_BYTES, CheckedKernel, Specialization, Variant
-
-#: Integer sizes Triton's launcher marks as divisible by 16 and turns into a constant when 1.
-_INT_TYPES = ("i32", "i64", "u32", "u64")
+from .model import ELEMENT_BYTES, INT_TYPES, CheckedKernel, Specialization, Variant
 
 
 @dataclass
@@ -75,7 +72,7 @@ def _heuristic_values(kernel: CheckedKernel, values: dict, spec: Specialization,
     for name, ty in kernel.types.items():
         if ty.startswith("*"):
             named[name] = _StandInPointer(ty[1:], spec.aligned)
-        elif ty in _INT_TYPES:
+        elif ty in INT_TYPES:
             named[name] = 1 if name in ones else HEURISTIC_SIZE[spec.aligned]
         else:
             named[name] = 1.0
@@ -103,7 +100,7 @@ def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization,
     options = variant.options()
     if not isinstance(arch, int):
         options.update((name, value) for name, value in variant.constexprs if name not in kernel.jit.arg_names)
-    ones = set(kernel.unit_args) | set(spec.ones)
+    ones = set(kernel.unit_args) | set(spec.ones) | set(spec.guessed_ones)
     if kernel.heuristics:
         values.update(_heuristic_values(kernel, values, spec, ones))
     signature: dict[str, str] = {}
@@ -117,11 +114,11 @@ def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization,
             signature[name], constants[name] = "constexpr", values[name]
             continue
         ty = kernel.types[name]
-        if name in ones and ty in _INT_TYPES and not param.do_not_specialize:
+        if name in ones and ty in INT_TYPES and not param.do_not_specialize:
             signature[name], constants[name] = "constexpr", 1
             continue
         signature[name] = ty
-        specializable = ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize)
+        specializable = ty.startswith("*") or (ty in INT_TYPES and not param.do_not_specialize)
         if spec.aligned and specializable and not param.do_not_specialize_on_alignment:
             divisible.append(name)
     return CompileRequest(signature, constants, tuple(divisible), options, arch, kernel.locator)
@@ -144,7 +141,7 @@ def _attrs(jit, request: CompileRequest) -> dict:
         if ty == "constexpr":
             if every_constexpr_listed or isinstance(request.constants[name], str):
                 attrs[(index,)] = []
-        elif ty.startswith("*") or (ty in _INT_TYPES and not param.do_not_specialize):
+        elif ty.startswith("*") or (ty in INT_TYPES and not param.do_not_specialize):
             marks = ("D" if name in request.divisible else "") + (in_2gb if ty.startswith("*") else "")
             attrs[(index,)] = backend.parse_attr(marks)
     return attrs

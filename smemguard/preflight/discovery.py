@@ -3,7 +3,7 @@ specializations, and the same JIT function again in a worker process."""
 
 from __future__ import annotations
 
-import ast
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -11,13 +11,14 @@ import logging
 import os
 import re
 import sys
-import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
 
 from .. import introspect
-from .model import ALIGNED, MISALIGNED, CheckedKernel, Specialization, TargetError, Variant
+from . import source
+from .model import (ALIGNED, BY_LAYOUT, BY_ORDER, INT_TYPES, MISALIGNED, NON_UNIT, CheckedKernel, Specialization,
+                    TargetError, Variant)
 
 log = logging.getLogger(__name__)
 
@@ -189,101 +190,56 @@ def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKer
         strangers = sorted(set(names) - set(jit.arg_names))
         if strangers:
             raise TargetError(f"{name}: {label} names {strangers}, which are not parameters of {jit.fn.__name__}")
-    unit = _unit_args(runtime_names, hints.get("unit", "auto"), name)
+    types = _argument_types(jit, hints.get("dtype", "fp16"), hints.get("signature", {}))
+    unit, guesses = _unit_args(jit, types, hints.get("unit", "auto"), name)
     ones_lists = [tuple(ones) for ones in hints.get("ones", [])]
     for ones in ones_lists:
         wrong = [arg for arg in ones if arg not in runtime_names]
         if wrong:
             raise TargetError(f"{name}: --one names {wrong}, which are not integer parameters of {jit.fn.__name__} "
                               f"(those are: {', '.join(runtime_names)})")
-    specializations = [Specialization(ALIGNED, True), Specialization(MISALIGNED, False)]
-    specializations += [Specialization(f"{ones[0]}=1", True, ones) for ones in ones_lists]
+    launches = [Specialization(ALIGNED, True), Specialization(MISALIGNED, False)]
+    launches += [Specialization(f"{ones[0]}=1", True, ones) for ones in ones_lists]
+    # Unsure strides: every launch once per reading of the source; a config fits when it fits in all.
+    specializations = [dataclasses.replace(spec, name=spec.name if guess == BY_ORDER else f"{spec.name} {guess}",
+                                           unit_guess=guess, guessed_ones=guessed)
+                       for guess, guessed in guesses for spec in launches] or launches
+    unsure = tuple(arg for arg in runtime_names if any(arg in guessed for _, guessed in guesses))
 
-    types = _argument_types(jit, hints.get("dtype", "fp16"), hints.get("signature", {}))
     module, attribute, file = locator_from
     # How a worker process finds the same JIT function; it cannot import one defined in __main__.
     locator = None if module.__name__ == "__main__" else (module.__name__, attribute, file)
-    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator)
+    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator, unsure)
 
 
-def _unit_args(runtime_names: list[str], unit, kernel_name: str) -> tuple[str, ...]:
-    """Arguments equal to 1 in every launch: named, none, or ``auto``: the last of each run of
-    ``stride_<tensor><dim>`` parameters of one tensor (``stride_am, stride_ak`` -> ``stride_ak``),
-    the innermost stride of a contiguous tensor."""
+def _unit_args(jit, types: dict[str, str], unit, kernel_name: str):
+    """Integer arguments equal to 1 in every launch, and the readings of the strides the source leaves
+    unsure, ``[(BY_ORDER, args), (BY_LAYOUT, args), (NON_UNIT, ())]`` (those that differ; none when it
+    is sure): named (``unit``), none, or ``auto``: read from the source (:mod:`.source`)."""
     if unit == "none":
-        return ()
+        return (), []
     if unit != "auto":
         names = tuple(unit)
-        wrong = [arg for arg in names if arg not in runtime_names]
+        wrong = [arg for arg in names if arg not in types]
         if wrong:
             raise TargetError(f"{kernel_name}: --unit names {wrong}, which are not runtime parameters")
-        return names
-    runs: list[list[str]] = []
-    for arg in runtime_names:
-        if not arg.startswith("stride"):
-            runs.append([])
-        elif runs and runs[-1] and runs[-1][-1][:-1] == arg[:-1]:
-            runs[-1].append(arg)
-        else:
-            runs.append([arg])
-    return tuple(run[-1] for run in runs if len(run) >= 2)
-
-
-# Calls whose first argument (or ``pointer=``/``base=``) is a pointer expression.
-_POINTER_CALLS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min",
-                  "atomic_and", "atomic_or", "atomic_xor", "make_block_ptr", "make_tensor_descriptor"}
-
-
-def _pointer_parameters(jit) -> set[str]:
-    """Parameters the kernel loads from or stores to, read from its source.
-
-    A pointer expression is a sum whose terms are pointers and offsets; offsets are products
-    (``rm * stride_am``) or locals made of them, so the names found among the *terms* of the
-    sums reaching ``tl.load``/``tl.store`` (through local variables) are the pointers. Also
-    counted: parameters whose ``.dtype`` or ``.type`` is read, and names ending in ``ptr``.
-    """
-    params = set(jit.arg_names)
-    tree = ast.parse(textwrap.dedent(jit.src))
-    origins: dict[str, set[str]] = {}
-    pointer_expressions: list[ast.AST] = []
-    found = {name for name in params if name.lower().endswith("ptr")}
-
-    def terms(node) -> set[str]:
-        if isinstance(node, ast.Name):
-            return {node.id}
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
-            return terms(node.left) | terms(node.right)
-        if isinstance(node, ast.Subscript):
-            return terms(node.value)
-        return set()
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            origins.setdefault(node.targets[0].id, set()).update(terms(node.value))
-        elif isinstance(node, ast.Call):
-            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if called in _POINTER_CALLS:
-                pointer_expressions += node.args[:1]
-                pointer_expressions += [kw.value for kw in node.keywords if kw.arg in ("pointer", "base")]
-        elif isinstance(node, ast.Attribute) and node.attr in ("dtype", "type") and isinstance(node.value, ast.Name):
-            found.add(node.value.id)
-
-    pending = [name for expression in pointer_expressions for name in terms(expression)]
-    visited: set[str] = set()
-    while pending:
-        name = pending.pop()
-        if name in visited:
-            continue
-        visited.add(name)
-        if name in params:
-            found.add(name)
-        pending.extend(origins.get(name, ()))
-    return found & params
+        return names, []
+    specializable = {p.name for p in jit.params if not p.is_constexpr and not p.do_not_specialize}
+    integers = {name for name, ty in types.items() if ty in INT_TYPES and name in specializable}
+    found = source.unit_strides(jit, {name for name, ty in types.items() if ty.startswith("*")}, integers)
+    sure = tuple(name for name in types if name in found.sure)
+    if not found.unsure:
+        return sure, []
+    readings: dict[tuple[str, ...], str] = {}
+    for guess, guessed in ((BY_ORDER, found.by_order), (BY_LAYOUT, found.by_layout), (NON_UNIT, set())):
+        if guessed or guess != BY_LAYOUT:  # an empty tile-layout reading is the non-unit one
+            readings.setdefault(tuple(name for name in types if name in guessed), guess)
+    return sure, [(guess, guessed) for guessed, guess in readings.items()]
 
 
 def _argument_types(jit, dtype: str, explicit: dict[str, str]) -> dict[str, str]:
     """Triton type of each runtime parameter: given, annotated, or inferred (pointer to ``dtype``, else i32)."""
-    pointers = _pointer_parameters(jit)
+    pointers = source.pointer_parameters(jit)
     types = {}
     for param in jit.params:
         if param.is_constexpr:

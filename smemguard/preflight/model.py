@@ -11,6 +11,12 @@ from ..estimate import ELEMENT_BYTES, FITS, OVERFLOWS  # the estimate decides in
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"
+#: Readings of the strides the source leaves unsure (see :mod:`.source`): the last of each tensor's
+#: strides in argument order is 1 (the plain specializations), the one on the tile's last axis is 1
+#: (named "<specialization> by-layout"), none of them is 1 ("<specialization> non-unit").
+BY_ORDER = "by-order"
+BY_LAYOUT = "by-layout"
+NON_UNIT = "non-unit"
 
 ERROR = "error"
 NOT_CHECKED = "not_checked"
@@ -19,6 +25,10 @@ MEASURED = "measured"
 CACHED = "cached"
 ESTIMATED = "estimated"
 
+
+
+#: Integer types Triton's launcher marks as divisible by 16 and turns into a constant when 1.
+INT_TYPES = ("i32", "i64", "u32", "u64")
 
 
 class TargetError(ValueError):
@@ -30,9 +40,13 @@ class Specialization:
     name: str
     aligned: bool
     ones: tuple[str, ...] = ()  # integer arguments equal to 1 in this specialization
+    # For a kernel with unsure strides: the reading (BY_ORDER, BY_LAYOUT, NON_UNIT) and the strides it takes as 1.
+    unit_guess: str | None = None
+    guessed_ones: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"name": self.name, "aligned": self.aligned, "ones": list(self.ones)}
+        return {"name": self.name, "aligned": self.aligned, "ones": list(self.ones), "unit_guess": self.unit_guess,
+                "guessed_ones": list(self.guessed_ones)}
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,8 @@ class CheckedKernel:
     specializations: list[Specialization]
     heuristics: list[dict] = field(default_factory=list)  # values of triton.heuristics layers
     locator: tuple[str, str, str | None] | None = None  # (module, attribute, file) for worker processes
+    # Innermost strides the source leaves unsure; each specialization says which it takes as 1 (guessed_ones).
+    unsure_unit_args: tuple[str, ...] = ()
 
     @property
     def jit_name(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import gpus
 from .check import Report, Verdict
 from ..estimate import ESTIMATE_MARGIN
-from .model import CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS
+from .model import BY_LAYOUT, BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NON_UNIT, NOT_CHECKED, OVERFLOWS
 
 #: Distinct error messages the text report lists (``--json`` has every one).
 MAX_ERRORS_SHOWN = 5
@@ -36,6 +36,21 @@ def _row_cell(report: Report, k: int, v: int, gpu: gpus.Gpu) -> str:
     return _cell(worst)
 
 
+_READINGS = {BY_ORDER: "by argument order", BY_LAYOUT: f"by tile layout ('{BY_LAYOUT}')",
+             NON_UNIT: f"none of them ('{NON_UNIT}')"}
+
+
+def unsure_strides(kernel) -> str:
+    """What the check could not tell about the kernel's strides, what it did, and the ``--unit`` that settles it."""
+    readings = {spec.unit_guess: spec.guessed_ones for spec in kernel.specializations}
+    checked = ", ".join(_READINGS[guess] + (f": {', '.join(ones)} = 1" if ones else "")
+                        for guess, ones in readings.items())
+    likely = ",".join(arg for arg in kernel.types if arg in kernel.unit_args or arg in readings[BY_ORDER])
+    return (f"unsure which strides are 1 at launch: {', '.join(kernel.unsure_unit_args)} (the source does not tell "
+            f"which is the innermost of its tensor); checked {checked}; the worse counts. Say which arguments are 1 "
+            f"in every launch with --unit (contiguous tensors passed as *x.stride(): --unit {likely}), or --unit none")
+
+
 def format_table(report: Report) -> str:
     header = ["kernel", "config"] + [f"{gpu.name} ({gpu.max_shared})" for gpu in report.gpus]
     rows = [[kernel.name.rsplit(":", 1)[-1], variant.label()]
@@ -54,6 +69,8 @@ def format_summary(report: Report) -> str:
                           for spec in kernel.specializations)
         unit = f"; always 1: {', '.join(kernel.unit_args)}" if kernel.unit_args else ""
         lines.append(f"{kernel.name}: {len(kernel.variants)} configs, specializations {specs}{unit}")
+        if kernel.unsure_unit_args:
+            lines.append("  " + unsure_strides(kernel))
     lines.append("")
     for gpu in report.gpus:
         if not report.checked(gpu):
