@@ -73,24 +73,6 @@ def test_autotune_trap_on_an_mi300x_recovers_with_fewer_stages(install_guard, in
     assert [(a["required"], a["fits"]) for a in record["attempts"]] == [(98304, False), (65536, True), (49152, True)]
 
 
-def test_all_configs_overflow_on_gfx942_recovers_with_fewer_stages_of_another_config(install_guard, incident_log,
-                                                                                      triton_cache):
-    aligned, _ = aligned_and_misaligned()
-    b, c = operands()
-    tuned = autotuned([config(128, 128, 128, 3), config(64, 64, 64, 4)])
-    install_guard()
-    with fake_gpu("MI300X", max_shared=20000, cache_dir=triton_cache) as gpu:
-        tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
-        launch = gpu.launches[-1]
-        assert (launch.shared, launch.num_stages, launch.grid) == (16384, 2, (4, 4, 1)), "grid recomputed for 64x64"
-    [record] = records(incident_log)
-    assert record["action"] == "config_changed" and record["final"].startswith("BLOCK_M=64")
-    # gfx942 keeps (S-1) stages of both tiles in LDS, one tile at one stage; 64x64x64 at 4 stages failed
-    # in tuning, so only its fewer stages are tried: the one predicted to fit first (1 stage, 8192 B), then
-    # one more while its own bytes per stage allow (2 stages, 16384 B, the one that runs).
-    assert [a["required"] for a in record["attempts"]] == [131072, 65536, 32768, 8192, 16384]
-
-
 def test_a_choice_tuned_on_an_mi355x_is_recovered_on_an_mi300x(install_guard, incident_log, triton_cache):
     """The tuner's choice, made on an MI355X's 160 KiB, reused on an MI300X (as FLA's config files and
     vLLM's per-GPU tuning JSON carry one from GPU to GPU): 98304 B of LDS there."""
