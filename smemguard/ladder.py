@@ -106,7 +106,8 @@ class _Measured:
         measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
         arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
         signature = getattr(getattr(failing, "src", None), "signature", None) or {}
-        pointer_types = [ty[1:] for ty in signature.values() if isinstance(ty, str) and ty.startswith("*")]
+        pointer_types = [match.group(1) for ty in signature.values()
+                         if isinstance(ty, str) and (match := _OPERAND_TYPE.match(ty))]
         own = estimate.envelope(arch, _constexprs(launch), pointer_types, failing.metadata.num_stages,
                                 failing.metadata.num_warps)
         # Trusted for this kernel only when its own measurement is what a calibrated matmul's would be.
@@ -166,8 +167,8 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
     last_stages, last_bytes = failing.metadata.num_stages, error.required
     bound = measured.too_big(_constexprs(launch), 1, failing.metadata.num_warps)
     if bound is not None and last_stages > 1:
-        measured.skipped.append(f"num_stages=1 to {last_stages - 1}: at least {bound} B, one stage of its tiles "
-                                "(calibrated estimate)")
+        counts = "1" if last_stages == 2 else f"1 to {last_stages - 1}"
+        measured.skipped.append(f"num_stages={counts}: at least {bound} B, one stage of its tiles (calibrated estimate)")
         return
     stages = last_stages - 1
     per_stage = measured.stage_bytes(_constexprs(launch), last_stages, failing.metadata.num_warps, last_bytes)
@@ -206,6 +207,9 @@ def _constexprs(launch: Launch) -> dict:
     named = launch.named_args()
     return {name: named.get(name) for name in sorted(launch.constexpr_names())}
 
+
+#: The element type of a pointer (``*fp16``) or of a TMA descriptor (``tensordesc<fp16[64, 64]>``) argument.
+_OPERAND_TYPE = re.compile(r"^(?:\*|tensordesc<)(\w+)")
 
 _MATMUL_TILE = re.compile(r"^(?:BLOCK|BLOCK_SIZE|TILE|TILE_SIZE)_?([MNK])$")
 
