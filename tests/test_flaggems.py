@@ -145,6 +145,8 @@ def test_when_no_stage_count_fits_libtuner_switches_config_and_files_it_in_its_d
         hopper_mm.general_mm(a, b, c, *a.shape[:1], b.shape[1], a.shape[1])
     (record,) = records(incident_log)
     assert record["action"] == "config_changed"
+    # One stage of 256x128x128 fp16 tiles through TMA descriptors is 98304 B: its fewer stages are not compiled.
+    assert record["skipped"][0] == "num_stages=1: at least 98304 B, one stage of its tiles (calibrated estimate)"
     adopted = kernel.fn.cache.get(key)
     assert adopted.all_kwargs() == kernel.fn.configs[3].all_kwargs(), \
         "the one of LibTuner's own configs that fits, never a variant it could not find the pre_hook for"
