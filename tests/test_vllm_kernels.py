@@ -249,7 +249,9 @@ def test_fused_moe_changes_only_stages_never_block_size_m(install_guard, inciden
         moe(module, config)  # no stage count fits: re-raised, BLOCK_SIZE_M is never an option
     stages, nothing_fits = records(incident_log)[-2:]
     assert stages["action"] == "stages_reduced" and nothing_fits["action"] == "reraised"
+    # At 16384 B one stage of the 64x256x64 tiles (40960 B) is too big by the calibrated estimate: not compiled.
+    assert nothing_fits["skipped"] == ["num_stages=1 to 3: at least 40960 B, one stage of its tiles (calibrated estimate)"]
     for record in (stages, nothing_fits):
         changed = {token.split("=")[0] for attempt in record["attempts"][1:] for token in attempt["changes"].split()}
-        assert changed == {"num_stages"}, "only num_stages differs between attempts"
+        assert changed <= {"num_stages"}, "only num_stages differs between attempts"
         assert "BLOCK_SIZE_M=64 " in record["config"] and record["constexprs"]["BLOCK_SIZE_M"] == 64
