@@ -41,9 +41,25 @@ STAND_INS = {
         def unified_attention(q, k, v, out, *args, **kwargs):
             pass
         """),
+    "vllm/v1/attention/ops/triton_prefill_attention.py": textwrap.dedent("""
+        import triton
+
+        @triton.jit
+        def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
+                        Lk: triton.language.constexpr):
+            pass
+
+        def get_block_size(dtype):
+            return 64
+
+        def context_attention_fwd(q, k, v, o, *args, **kwargs):
+            Lk = k.shape[-1]
+            return get_block_size(q.dtype), Lk
+        """),
     "vllm/v1/attention/backends/__init__.py": "",
     "vllm/v1/attention/backends/triton_attn.py":
-        "from vllm.v1.attention.ops.triton_unified_attention import unified_attention\n",
+        "from vllm.v1.attention.ops.triton_unified_attention import unified_attention\n"
+        "from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd\n",
     "vllm/v1/attention/ops/prefix_prefill.py": textwrap.dedent("""
         import triton
 
@@ -91,7 +107,7 @@ def stand_ins(tmp_path_factory):
 def test_the_registry_lists_every_patch_module_once():
     import pkgutil
 
-    found = {info.name for info in pkgutil.iter_modules(patches.__path__)}
+    found = {info.name for info in pkgutil.iter_modules(patches.__path__) if not info.name.startswith("_")}
     assert sorted(patches.MODULES) == sorted(found) and len(set(patches.MODULES)) == len(patches.MODULES)
 
 

@@ -166,11 +166,89 @@ def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(u
         attend(unified_attention, 256, torch.float32, decode=True, window=1023)
     assert [launch.kernel for launch in gpu.launches] == ["kernel_unified_attention", "reduce_segments"]
     assert tiles_run["attention"][-1] == 16 and tiles_run["reduce"] == [16], "both kernels see the same TILE_SIZE"
-    module, choice = vllm_unified_attention.TARGET_MODULE, vllm_unified_attention.TILE_CHOICE
-    assert find_wrapper(module, choice, vllm_unified_attention._capped_tile_size) is not None
+    choice = vllm_unified_attention.TILE_CHOICE
+    assert vllm_unified_attention.CHOICE.find_layer(choice) is not None
     smemguard.uninstall()
-    assert find_wrapper(module, choice, vllm_unified_attention._capped_tile_size) is None, "vLLM's own choice again"
+    assert vllm_unified_attention.CHOICE.find_layer(choice) is None, "vLLM's own choice again"
     assert not vllm_unified_attention.is_patched()
+
+
+# -- Triton prefill attention (encoders): a smaller BLOCK, chosen by the wrapper ---------------------
+
+
+@pytest.fixture
+def as_gpu(monkeypatch):
+    """vLLM's platform (none on this machine) reporting a CUDA GPU of the named one's arch, as the wrappers ask it."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from smemguard import gpus
+
+    def become(name: str) -> None:
+        major, minor = divmod(gpus.lookup(name).target_arch, 10)
+        platform = type(current_platform)
+        monkeypatch.setattr(platform, "get_device_capability",
+                            classmethod(lambda cls, device_id=0: DeviceCapability(major, minor)))
+        monkeypatch.setattr(platform, "is_cuda_alike", lambda self: True)
+
+    return become
+
+
+def encode(module, head_size, dtype, seqs=2, seq_len=256, heads=4):
+    """vLLM's context_attention_fwd as the Triton backend calls it for an encoder-only model (bidirectional)."""
+    q = torch.randn(seqs * seq_len, heads, head_size, dtype=dtype)
+    module.context_attention_fwd(q, torch.randn_like(q), torch.randn_like(q), torch.empty_like(q),
+                                 torch.arange(0, seqs * seq_len, seq_len, dtype=torch.int32),
+                                 torch.full((seqs,), seq_len, dtype=torch.int32), seq_len, is_causal=False)
+    return seqs, heads, seq_len
+
+
+@pytest.mark.parametrize("gpu, dtype, failing, block", [
+    ("T4", torch.float16, 131072, 32),  # EmbeddingGemma (head size 256) on Turing, where TRITON_ATTN runs encoders
+    ("L4", torch.bfloat16, 163840, 64),  # the same on sm_89 (BLOCK 128 from sm_80 on)
+])
+def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recomputed(gpu, dtype, failing, block, as_gpu,
+                                                                                   install_guard, incident_log,
+                                                                                   triton_cache):
+    from smemguard.patches import vllm_prefill_attention
+
+    module = importlib.import_module(vllm_prefill_attention.TARGET_MODULE)
+    as_gpu(gpu)
+    install_guard(mode="observe")
+    with fake_gpu(gpu, cache_dir=triton_cache) as device, pytest.raises(_out_of_resources()) as raised:
+        encode(module, 256, dtype)
+    assert raised.value.required == failing and device.launches == [], "already num_stages=1: nothing else to take"
+    smemguard.uninstall()
+
+    backend = importlib.import_module("vllm.v1.attention.backends.triton_attn")  # imported it by name
+    vllms_own = backend.context_attention_fwd
+    install_guard()
+    assert backend.context_attention_fwd is module.context_attention_fwd is not vllms_own
+    with fake_gpu(gpu, cache_dir=triton_cache) as device:
+        seqs, heads, seq_len = encode(module, 256, dtype)
+        encode(module, 256, dtype)
+    first, again = device.launches
+    assert first.grid == again.grid == (seqs, heads, seq_len // block), "the wrapper's grid for the smaller BLOCK"
+    assert first.shared <= device.max_shared and first.num_stages == 1
+    tile_records = [record for record in records(incident_log) if record["action"] == "tile_reduced"]
+    assert [(record["final"], record["shape_class"]["head_size"]) for record in tile_records] == [
+        (f"BLOCK_M={block}", 256)], "one decision for the shape class; the second call chose the smaller BLOCK at once"
+    smemguard.uninstall()
+    assert backend.context_attention_fwd is module.context_attention_fwd is vllms_own
+    assert vllm_prefill_attention.CHOICE.find_layer(vllm_prefill_attention.TILE_CHOICE) is None
+
+
+def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, install_guard, incident_log,
+                                                                      triton_cache):
+    from smemguard.patches import vllm_prefill_attention
+
+    module = importlib.import_module(vllm_prefill_attention.TARGET_MODULE)
+    as_gpu("T4")
+    install_guard()
+    with fake_gpu("T4", cache_dir=triton_cache) as device:
+        encode(module, 256, torch.float16)  # learns BLOCK 32 for head size 256
+        encode(module, 64, torch.float16)  # a ViT-like head: vLLM's 64 fits, and stays
+    assert device.launches[-1].grid[2] == 256 // 64
 
 
 # -- prefix prefill: smaller BLOCK_M/BLOCK_N alternatives, grid recomputed ------------------------------

@@ -52,6 +52,7 @@ MODULES = (
     "deepgemm_metadata",
     "flaggems",
     "vllm_unified_attention",
+    "vllm_prefill_attention",
     "vllm_prefix_prefill",
 )
 

@@ -1,0 +1,277 @@
+"""A vLLM wrapper's own tile choice, lowered for the calls whose first kernel launch does not fit.
+
+Shared by the patches of vLLM wrapper functions that choose a kernel's tile with a module-level
+function, launch that kernel first, and either launch it with a grid that does not depend on the
+tile or compute the grid from the same choice (``vllm_unified_attention``,
+``vllm_prefill_attention``). Each patch describes its target as a :class:`TileChoice`; the
+per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
+
+How: the wrapper gets a plain function layer, a ``try`` around the call (a healthy call pays one
+Python frame and nothing else; a wrapt ``FunctionWrapper`` costs several times that, measured in
+``docs/BENCHMARKS.md``). When the call raises ``OutOfResources`` for shared
+memory, the frame directly below the wrapper's in the traceback is the launcher ``kernel[grid]``
+returned: its ``self`` is the kernel, its ``args``/``kwargs`` the launch's arguments. Only when that
+kernel is the patch's kernel (the first launch of the call, so nothing of the call has run) and its
+tile is the one the wrapper chooses for the launch's shape class is the choice halved for that class
+and the wrapper called again, down to the smallest tile. From the first such decision on, the
+choice function gets a layer too that answers the smaller tile when the wrapper asks for that shape
+class, so every kernel of the call that reads the choice sees the same value and later calls choose
+it at once. A failure of any later launch of the call is never retried. One incident record
+(``"action": "tile_reduced"``) per shape class, after the engine's own record of the failed launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from . import _is_wrapt_layer, rebind
+from .. import incidents, runtime
+from ..launch import Attempt
+
+log = logging.getLogger(__name__)
+
+_MARK = "_smemguard_layer"  # attribute naming the patch a plain function layer belongs to
+
+
+class TileChoice:
+    """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first.
+
+    ``choice_shape(args, kwargs, frame)``: the shape class of a call of the choice function (its
+    arguments, and the wrapper's frame that called it); ``launch_shape(args, kwargs)``: the shape
+    class of a launch of the kernel (None: not a launch this patch knows); ``wrapper_tile(choose,
+    shape, learnt)``: the tile the wrapper launches with for a shape class, given vLLM's own choice
+    function and the tile learnt for the class (None when none); ``smallest(shape)``: the smallest
+    tile the kernel may take; ``shape_fields``: names of a shape class's values, for records.
+    """
+
+    def __init__(self, *, module: str, wrapper: str, choice: str, kernel: str, tile: str,
+                 shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
+                 launch_shape: Callable[[tuple, dict], tuple | None],
+                 wrapper_tile: Callable[[Callable, tuple, int | None], int], smallest: Callable[[tuple], int]):
+        self.module, self.wrapper, self.choice, self.kernel, self.tile = module, wrapper, choice, kernel, tile
+        self.shape_fields = shape_fields
+        self._choice_shape, self._launch_shape = choice_shape, launch_shape
+        self._wrapper_tile, self._smallest = wrapper_tile, smallest
+        self._lock = threading.Lock()
+        self._tiles: dict[tuple, int] = {}  # (device, limit, *shape class) -> the tile that fits
+        self._log_path = None
+        self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
+        self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
+
+    # -- the patch contract ----------------------------------------------------------------------
+
+    def patch(self, context, check: Callable[[Any, Any], None]) -> None:
+        """Layer the wrapper, here and in the modules that imported it by name; ``check(module,
+        kernel)`` raises when the module is not laid out as the versions the patch was checked against."""
+        from triton.runtime.errors import OutOfResources
+
+        self._log_path, self._out_of_resources = context.settings.log_path, OutOfResources
+        if self.is_patched():
+            return
+        module = sys.modules.get(self.module)
+        if module is None:
+            return
+        kernel = getattr(module, self.kernel, None)
+        if not hasattr(kernel, "arg_names"):  # a vLLM build without a usable Triton: nothing can overflow
+            log.debug("smemguard: %s.%s is not a Triton kernel; %s left as it is", self.module, self.kernel,
+                      self.wrapper)
+            return
+        check(module, kernel)
+        self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
+        self._add_layer(self.wrapper, self._guarded(getattr(module, self.wrapper)))
+
+    def unpatch(self) -> None:
+        """Remove both layers, here and in the callers, and forget the tiles learnt."""
+        with self._lock:
+            self._tiles.clear()
+        if self.module in sys.modules:
+            self._remove_layer(self.choice)
+            self._remove_layer(self.wrapper)
+
+    def is_patched(self) -> bool:
+        return self.module in sys.modules and self.find_layer(self.wrapper) is not None
+
+    def find_layer(self, name: str):
+        """Our layer on ``module.name``, wherever it sits in a chain of ``__wrapped__`` layers, or None."""
+        layer = getattr(sys.modules.get(self.module), name, None)
+        while layer is not None and getattr(layer, _MARK, None) != self._mark(name):
+            layer = getattr(layer, "__wrapped__", None)
+        return layer
+
+    # -- plain function layers -------------------------------------------------------------------
+
+    def _mark(self, name: str) -> str:
+        return f"{self.module}.{name}"
+
+    def _add_layer(self, name: str, layer: Callable) -> None:
+        module = sys.modules[self.module]
+        original = getattr(module, name)
+        functools.update_wrapper(layer, original)  # sets __wrapped__, keeps vLLM's name and docstring
+        setattr(layer, _MARK, self._mark(name))
+        setattr(module, name, layer)
+        rebind(name, original, layer)
+
+    def _remove_layer(self, name: str) -> None:
+        """Remove only our layer: the outermost one, or one under another tool's wrapt layer."""
+        module = sys.modules[self.module]
+        above, layer = None, getattr(module, name, None)
+        while layer is not None and getattr(layer, _MARK, None) != self._mark(name):
+            above, layer = layer, getattr(layer, "__wrapped__", None)
+        if layer is None:
+            return
+        if above is None:
+            setattr(module, name, layer.__wrapped__)
+            rebind(name, layer, layer.__wrapped__)
+        elif _is_wrapt_layer(above):  # another tool wrapped on top of us: splice our layer out
+            above.__wrapped__ = layer.__wrapped__
+        else:
+            log.debug("smemguard: %s.%s is wrapped over smemguard's layer by a plain function; left as it is",
+                      self.module, name)
+
+    def _guarded(self, original: Callable) -> Callable:
+        out_of_resources, retry = self._out_of_resources, self._retry
+
+        def guarded(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except out_of_resources as error:
+                return retry(original, args, kwargs, error)
+
+        return guarded
+
+    def _capped(self, original: Callable) -> Callable:
+        """vLLM's choice function, lowered to the tile learnt for the shape class when the wrapper asks
+        (another caller of the same function keeps vLLM's answer)."""
+
+        def capped(*args, **kwargs):
+            tile = original(*args, **kwargs)
+            try:
+                frame = self._wrapper_frame(sys._getframe(1))
+                if frame is not None:
+                    learnt = self._tiles.get(self._key(self._choice_shape(args, kwargs, frame)))
+                    if learnt is not None and learnt < tile:
+                        return learnt
+            except Exception:  # bookkeeping only: vLLM's own choice stands
+                log.debug("smemguard: could not look up a learnt %s", self.tile, exc_info=True)
+            return tile
+
+        return capped
+
+    def _wrapper_frame(self, frame):
+        """``frame``, past other tools' wrapt frames, when it runs vLLM's wrapper; else None."""
+        while frame is not None and frame.f_globals.get("__name__", "").startswith("wrapt"):
+            frame = frame.f_back
+        return frame if frame is not None and frame.f_code is self._wrapper_code else None
+
+    # -- the shape class and its tile ------------------------------------------------------------
+
+    @staticmethod
+    def _key(shape: tuple) -> tuple:
+        """A shape class on this device and limit."""
+        device = runtime.current_device()
+        return (device, runtime.effective_limit(device), *shape)
+
+    def _learn(self, key: tuple, tile: int | None) -> None:
+        """Make the choice answer ``tile`` for ``key`` (None: vLLM's own choice again)."""
+        with self._lock:
+            if tile is None:
+                self._tiles.pop(key, None)
+                return
+            self._tiles[key] = tile
+            if self.find_layer(self.choice) is None:
+                self._add_layer(self.choice, self._capped(getattr(sys.modules[self.module], self.choice)))
+
+    def _failed_launch(self, error: BaseException) -> tuple | None:
+        """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory
+        in the wrapper's frame; None when that frame's failing statement is not such a launch."""
+        if getattr(error, "name", None) != "shared memory":
+            return None
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not self._wrapper_code:
+            tb = tb.tb_next
+        if tb is None or tb.tb_next is None:
+            return None
+        launcher = tb.tb_next.tb_frame.f_locals
+        kernel, args, kwargs = launcher.get("self"), launcher.get("args"), launcher.get("kwargs")
+        if kernel is not getattr(sys.modules[self.module], self.kernel) or not isinstance(kwargs, dict):
+            return None
+        return tuple(args or ()), kwargs
+
+    def _smaller_tile(self, args: tuple, kwargs: dict) -> tuple | None:
+        """(key, tile that failed, half of it) when the launch's tile is the one the wrapper chooses for
+        its shape class and a smaller one exists; else None."""
+        shape = self._launch_shape(args, kwargs)
+        if shape is None:
+            return None
+        key, tile = self._key(shape), kwargs[self.tile]
+        choose = inspect.unwrap(getattr(sys.modules[self.module], self.choice))
+        if self._wrapper_tile(choose, shape, self._tiles.get(key)) != tile:  # chosen elsewhere: not ours
+            return None
+        smaller = tile // 2
+        return (key, tile, smaller) if smaller >= self._smallest(shape) else None
+
+    # -- the retry -------------------------------------------------------------------------------
+
+    def _retry(self, wrapped, args, kwargs, original):
+        """Call again with halved tiles while the patch's kernel is the launch that does not fit."""
+        started = time.perf_counter()
+        error, key, before, failed = original, None, None, []
+        while True:
+            try:
+                launch = self._failed_launch(error)
+                step = self._smaller_tile(*launch) if launch is not None else None
+            except Exception:  # our failure must not replace vLLM's error
+                log.debug("smemguard: could not read the failed %s launch", self.wrapper, exc_info=True)
+                launch = step = None
+            if step is None:
+                if error is original:
+                    raise original
+                if launch is not None:  # not even the smallest tile fits: vLLM's own choice again
+                    self._learn(key, before)
+                    raise original
+                raise error  # a later launch failed after the kernel ran: the call is not repeated
+            if key is None:
+                key, before = step[0], self._tiles.get(step[0])
+            failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
+            self._learn(key, step[2])
+            try:
+                result = wrapped(*args, **kwargs)
+            except self._out_of_resources as again:
+                error = again
+                continue
+            self._report(original, key, failed, step[2], started)
+            return result
+
+    def _report(self, error, key: tuple, failed: list, final: int, started: float) -> None:
+        try:
+            device, _, *shape = key
+            shape_class = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
+                           for name, value in zip(self.shape_fields, shape)}
+            chosen = f"{self.tile}={final}"
+            record = {
+                **incidents.new_record(f"{self.module}:{self.kernel}"),
+                "launched_as": f"{self.module}:{self.wrapper}",
+                "device": runtime.device_description(device),
+                "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
+                "resource": error.name,
+                "required": error.required,
+                "limit_hit": error.limit,
+                "shape_class": shape_class,
+                "config": failed[0].config,
+                "attempts": incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
+                "action": "tile_reduced",
+                "final": chosen,
+                "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
+            }
+            incidents.emit(record, self._log_path, (self.kernel, key),
+                           "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
+                           self.kernel, error.name, error.required, error.limit, failed[0].config,
+                           " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)
+        except Exception:
+            log.warning("smemguard: could not write the incident record for %s", self.kernel, exc_info=True)

@@ -1,0 +1,119 @@
+"""vLLM's Triton prefill attention: a smaller ``BLOCK`` for the calls whose ``_fwd_kernel`` does not fit.
+
+Why: ``context_attention_fwd`` (``vllm.v1.attention.ops.triton_prefill_attention``) is the
+bidirectional attention of encoder-only models and encoders in the Triton attention backend
+(``TRITON_ATTN``, vLLM's choice on Turing, where FlashAttention does not run) and of the Triton ViT
+attention. It picks ``BLOCK = get_block_size(q.dtype)`` (128 on sm_80 and newer, 64 before, 32 for
+fp32; at most 32 from head size 512 on), computes a tuple grid ``(batch, heads, cdiv(max_input_len,
+BLOCK))`` and launches ``_fwd_kernel`` with ``BLOCK_M=BLOCK_N=BLOCK`` and already ``num_stages=1``.
+Head size 256 (EmbeddingGemma and other Gemma-based encoders) needs 131072 B on sm_75 in fp16 and
+163840 B on sm_89/sm_120 in bf16: more than a T4's 65536 and an L4's or RTX 5090's 101376. No stage
+is left to take away, and the engine never changes a tile of a kernel launched with a tuple grid.
+
+Why a smaller ``BLOCK`` is safe: the wrapper computes the grid from the same ``BLOCK`` it passes as
+``BLOCK_M``, so lowering its choice recomputes the grid; every load and store is masked on the query
+rows (``offs_m < cur_batch_seq_len``) and keys (``pos_k < cur_batch_seq_len``); the key loop steps
+by ``BLOCK_N`` from a multiple of ``BLOCK_N`` with the causal and sliding-window masks applied per
+element, so it covers the same keys for any ``BLOCK_M``/``BLOCK_N``. Results equal the larger
+tile's up to the order of floating-point additions in the online softmax (not bitwise). Halved
+down to 16 (``tl.dot``): 64 fits head size 256 on sm_89/sm_120 (73728 B), 32 on sm_75 (65536 B).
+
+What it does (:mod:`smemguard.patches._tile_choice`, shared with ``vllm_unified_attention``):
+``context_attention_fwd`` gets a plain function layer (also in the modules that imported it by
+name: the Triton and ROCm attention backends): a ``try`` around the call. When a call raises
+``OutOfResources`` for shared memory from ``_fwd_kernel`` (its only launch) with the ``BLOCK_M`` the
+wrapper chose, the choice is halved for the call's shape class (query dtype and head size, per
+device and limit) and the call runs again. ``get_block_size`` gets a layer (from the first such
+decision on) that returns the smaller tile when ``context_attention_fwd`` asks for that class (the
+head size is read from the wrapper's frame, its ``Lk``), so later calls of that class choose it at
+once. One incident record (``"action": "tile_reduced"``) per shape class.
+
+Not applied in ``SMEMGUARD=observe``: it changes what runs.
+
+Checked against vLLM 0.32.0 and 0.33.0 (``vllm/v1/attention/ops/triton_prefill_attention.py``, the
+same file in both): ``get_block_size(dtype)``, then ``if Lk >= 512: BLOCK = min(BLOCK, 32)``, the
+grid from ``BLOCK``, one launch ``_fwd_kernel[grid](q, k, v, ..., BLOCK_M=BLOCK, BLOCK_N=BLOCK_N,
+Lk=Lk, num_stages=1)`` with ``BLOCK_N`` equal to ``BLOCK`` or, on RDNA, ``min(BLOCK, 32)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ._tile_choice import TileChoice
+from ..versions import Supported
+
+TARGET_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
+WRAPPER = "context_attention_fwd"
+TILE_CHOICE = "get_block_size"
+KERNEL = "_fwd_kernel"
+TARGET = f"{TARGET_MODULE}.{WRAPPER}"
+TARGET_MODULES = (TARGET_MODULE,)
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+OBSERVE_SAFE = False  # changes the tile that runs
+
+_KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
+#: vLLM's wrapper keeps ``BLOCK`` at 32 or less from this head size on.
+_WIDE_HEAD, _WIDE_HEAD_BLOCK = 512, 32
+_SMALLEST_BLOCK = 16  # tl.dot needs M, N, K >= 16
+
+
+def _dtype(dtype):
+    return dtype
+
+
+def _choice_shape(args, kwargs, frame) -> tuple:
+    """The shape class of a ``get_block_size(dtype)`` call by the wrapper: the dtype and the call's head size."""
+    return _dtype(*args, **kwargs), frame.f_locals["Lk"]
+
+
+def _launch_shape(args, kwargs) -> tuple:
+    return args[0].dtype, kwargs["Lk"]
+
+
+def _wrapper_tile(choose, shape: tuple, learnt: int | None) -> int:
+    """``BLOCK`` as the wrapper computes it from its choice."""
+    dtype, head_size = shape
+    block = choose(dtype)
+    if learnt is not None:
+        block = min(block, learnt)
+    return min(block, _WIDE_HEAD_BLOCK) if head_size >= _WIDE_HEAD else block
+
+
+#: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
+CHOICE = TileChoice(
+    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="BLOCK_M",
+    shape_fields=("dtype", "head_size"), choice_shape=_choice_shape, launch_shape=_launch_shape,
+    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_BLOCK)
+
+
+def applies(settings) -> bool:
+    return True
+
+
+def patch(context) -> None:
+    """Layer ``context_attention_fwd`` in its module and in the modules that imported it by name."""
+    CHOICE.patch(context, _check)
+
+
+def unpatch() -> None:
+    """Remove both layers, here and in the callers, and forget the tiles learnt."""
+    CHOICE.unpatch()
+
+
+def is_patched() -> bool:
+    return CHOICE.is_patched()
+
+
+def _check(module, kernel) -> None:
+    """Raise when the module is not laid out as the versions this was checked against."""
+    choice, wrapper = getattr(module, TILE_CHOICE, None), getattr(module, WRAPPER, None)
+    if choice is None or wrapper is None:
+        raise RuntimeError(f"{TARGET_MODULE} has no {TILE_CHOICE} or {WRAPPER}")
+    if tuple(inspect.signature(choice).parameters) != ("dtype",):
+        raise RuntimeError(f"{TARGET_MODULE}.{TILE_CHOICE}{inspect.signature(choice)} is not (dtype)")
+    if "Lk" not in inspect.unwrap(wrapper).__code__.co_varnames:
+        raise RuntimeError(f"{TARGET_MODULE}.{WRAPPER} has no local Lk")
+    missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
+    if missing:
+        raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
