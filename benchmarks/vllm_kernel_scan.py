@@ -42,8 +42,19 @@ def half(gpu: str):
     return torch.float16 if gpu == "T4" else torch.bfloat16
 
 
+#: every vLLM module a case calls into, imported before the harness and before the platform pretends to be a
+#: CUDA GPU: some decide at import what the driver or the platform has (FLA asks torch.cuda for the device name)
+VLLM_MODULES = (
+    "vllm.v1.attention.ops.triton_decode_attention", "vllm.v1.attention.ops.triton_prefill_attention",
+    "vllm.v1.attention.ops.triton_unified_attention_diffkv", "vllm.v1.attention.ops.triton_turboquant_decode",
+    "vllm.v1.attention.ops.triton_turboquant_store", "vllm.model_executor.layers.quantization.turboquant.config",
+    "vllm.model_executor.layers.fused_moe.fused_moe", "vllm.model_executor.layers.quantization.utils.fp8_utils",
+    "vllm.model_executor.layers.mamba.ops.ssd_combined", "vllm.third_party.flash_linear_attention.ops",
+)
+
+
 def as_cuda_gpu(gpu: str) -> None:
-    """vLLM's platform (none here) reporting the GPU's capability and name, as the wrappers ask it."""
+    """vLLM's platform (none here) reporting the GPU's capability and name, as the wrappers ask it when called."""
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
@@ -316,10 +327,12 @@ def run_case(name: str, gpu: str, mode: str) -> dict:
     from smemguard.settings import Settings
     from smemguard.testing import fake_gpu
 
-    import vllm.triton_utils  # noqa: F401  decides from the real driver whether Triton is usable: before the harness
+    import importlib
 
-    call = CASES[name][3]
+    for module in VLLM_MODULES:
+        importlib.import_module(module)
     as_cuda_gpu(gpu)
+    call = CASES[name][3]
     with tempfile.TemporaryDirectory(prefix="smemguard-scan-") as scratch:
         log = Path(scratch) / "incidents.jsonl"
         if mode == "on":

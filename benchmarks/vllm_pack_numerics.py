@@ -8,9 +8,10 @@ VLLM_SOURCE is a folder holding these files of a vLLM release, at their paths in
     vllm/v1/attention/ops/triton_unified_attention.py
     vllm/v1/attention/ops/triton_attention_helpers.py
     vllm/v1/attention/ops/prefix_prefill.py
+    vllm/v1/attention/ops/triton_prefill_attention.py
     vllm/model_executor/layers/fused_moe/fused_moe.py
 
-The two attention files are imported as the modules vLLM names them, over a few stand-ins for
+The attention files are imported as the modules vLLM names them, over a few stand-ins for
 the vLLM modules they import (its platform, logger, environment, ``triton_utils`` and
 ``KVQuantMode``), so smemguard's patches apply to them as in vLLM; only the ``@triton.jit``
 functions of ``fused_moe.py`` are loaded. Every case runs with smemguard installed under
@@ -26,6 +27,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -36,6 +38,7 @@ FILES = {
     "vllm.v1.attention.ops.triton_attention_helpers": "vllm/v1/attention/ops/triton_attention_helpers.py",
     "vllm.v1.attention.ops.triton_unified_attention": "vllm/v1/attention/ops/triton_unified_attention.py",
     "vllm.v1.attention.ops.prefix_prefill": "vllm/v1/attention/ops/prefix_prefill.py",
+    "vllm.v1.attention.ops.triton_prefill_attention": "vllm/v1/attention/ops/triton_prefill_attention.py",
     "fused_moe": "vllm/model_executor/layers/fused_moe/fused_moe.py",
 }
 
@@ -91,6 +94,10 @@ def install_stand_ins(version: str) -> None:
             return torch.version.hip is not None
 
         @staticmethod
+        def is_cuda_alike() -> bool:
+            return True
+
+        @staticmethod
         def fp8_dtype():
             return torch.float8_e4m3fn
 
@@ -115,6 +122,8 @@ def install_stand_ins(version: str) -> None:
     for package in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
         module(package, package=True)
     module("vllm.v1.kv_cache_interface", KVQuantMode=KVQuantMode)
+    module("vllm.utils", package=True)
+    module("vllm.utils.math_utils", RCP_LN2=1 / math.log(2))
 
 
 def import_file(name: str, path: Path):
@@ -209,6 +218,20 @@ def case_prefix_prefill(module, head_size, dtype):
     return (out.float() - expected).abs().max().item(), expected.abs().max().item()
 
 
+def case_encoder_attention(module, head_size, dtype, seq_len=300):
+    """vLLM's Triton prefill attention as the Triton backend runs an encoder-only layer: bidirectional."""
+    import torch
+
+    heads = 4
+    q, k, v = (torch.randn(seq_len, heads, head_size, dtype=dtype, device="cuda") for _ in range(3))
+    out = torch.empty_like(q)
+    module.context_attention_fwd(q, k, v, out, torch.tensor([0], dtype=torch.int32, device="cuda"),
+                                 torch.tensor([seq_len], dtype=torch.int32, device="cuda"), seq_len, is_causal=False)
+    torch.cuda.synchronize()
+    expected = reference_attention(q, k, v, causal_offset=seq_len)  # every key at or before every query: no mask
+    return (out.float() - expected).abs().max().item(), expected.abs().max().item()
+
+
 def case_fused_moe(kernels, config, tokens=128, experts=8, n=1024, k=1024, top_k=2):
     """fused_moe_kernel on tokens sorted by expert and padded to BLOCK_SIZE_M, as moe_align_block_size does."""
     import torch
@@ -277,6 +300,7 @@ def main(argv=None) -> int:
         return 2
     attention = modules["vllm.v1.attention.ops.triton_unified_attention"]
     prefill = modules["vllm.v1.attention.ops.prefix_prefill"]
+    encoder = modules["vllm.v1.attention.ops.triton_prefill_attention"]
     moe_config = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 32, "num_warps": 8,
                   "num_stages": 4}
     cases = [
@@ -287,6 +311,10 @@ def main(argv=None) -> int:
         ("prefix_prefill head 128 fp16", lambda: case_prefix_prefill(prefill, 128, torch.float16)),
         ("prefix_prefill head 256 fp16", lambda: case_prefix_prefill(prefill, 256, torch.float16)),
         ("prefix_prefill head 128 fp32", lambda: case_prefix_prefill(prefill, 128, torch.float32)),
+        ("encoder attention head 256 fp16 (triton_prefill_attention)",
+         lambda: case_encoder_attention(encoder, 256, torch.float16)),
+        ("encoder attention head 256 bf16 (triton_prefill_attention)",
+         lambda: case_encoder_attention(encoder, 256, torch.bfloat16)),
         ("fused_moe A100 table on the limit", lambda: case_fused_moe(kernels, moe_config)),
     ]
     rows = []

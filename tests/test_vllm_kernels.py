@@ -251,6 +251,32 @@ def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, i
     assert device.launches[-1].grid[2] == 256 // 64
 
 
+# -- TritonMLA decode on a T4: no safe smaller tile, re-raised ---------------------------------------
+
+
+def test_mla_decode_on_a_t4_is_reraised_with_its_tiles_kept(install_guard, incident_log, triton_cache):
+    """DeepSeek-V2-Lite / Moonlight decode (16 heads, 576-wide latent heads) through TritonMLA, the only MLA backend
+    on Turing: 102400 B at 2 stages and at 1. Its KV tile (BLOCK_N 32) could be halved safely, but 16 still needs
+    69632 B; BLOCK_H is in the caller's tuple grid and already at tl.dot's 16. docs/BENCHMARKS.md, vLLM kernel scan."""
+    module = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
+    batch, heads, lk, lv, page, seq, splits = 2, 16, 576, 512, 16, 256, 4
+    blocks = seq // page
+    cache = torch.randn(batch * blocks, page, 1, lk, dtype=torch.float16)
+    install_guard()
+    with fake_gpu("T4", cache_dir=triton_cache) as gpu, pytest.raises(_out_of_resources()) as raised:
+        module.decode_attention_fwd(torch.randn(batch, heads, lk, dtype=torch.float16), cache, cache[..., :lv],
+                                    torch.empty(batch, heads, lv, dtype=torch.float16),
+                                    torch.empty(batch, heads, dtype=torch.float16),
+                                    torch.arange(batch * blocks, dtype=torch.int32).reshape(batch, blocks),
+                                    torch.full((batch,), seq, dtype=torch.int32),
+                                    torch.empty(batch, heads, splits, lv + 1), splits, lk ** -0.5, page, is_mla=True)
+    assert raised.value.required == 102400 and gpu.launches == []
+    (record,) = records(incident_log)
+    assert record["action"] == "reraised" and "fewer stages did not lower the shared memory" in record["reason"]
+    changed = {token.split("=")[0] for attempt in record["attempts"][1:] for token in attempt["changes"].split()}
+    assert changed == {"num_stages"}, "no tile of the caller's tuple grid was touched"
+
+
 # -- prefix prefill: smaller BLOCK_M/BLOCK_N alternatives, grid recomputed ------------------------------
 
 
