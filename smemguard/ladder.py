@@ -97,7 +97,7 @@ class _Measured:
     overflowing: list = dataclasses.field(default_factory=list)  # (constexprs, num_stages) measured too big
     skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
     stages_inert: str = ""  # why fewer stages were given up, when they did not lower the bytes
-    # The arch and pointer types of the failing launch, when the calibrated lower bound holds its measured bytes.
+    # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
     estimated: tuple | None = None
     compile_ms: float = 0.0
 
@@ -118,23 +118,24 @@ class _Measured:
     def too_big(self, constexprs: dict, stages: int, warps: int) -> int | None:
         """The calibrated lower bound of a candidate when it is :data:`estimate.ESTIMATE_MARGIN` above
         the limit: it certainly overflows, so it is not compiled."""
-        if self.estimated is None:
-            return None
-        arch, pointer_types = self.estimated
-        bounds = estimate.envelope(arch, constexprs, pointer_types, stages, warps)
+        bounds = self._envelope(constexprs, stages, warps)
         return bounds.low if bounds is not None and bounds.decides(self.limit) == estimate.OVERFLOWS else None
 
     def stage_bytes(self, constexprs: dict, stages: int, warps: int, required: int) -> int | None:
         """The bytes of one pipeline stage, when ``required`` is exactly what ``stages`` stages of
         the tiles need (every stage buffered, or one in registers): a line that the stage ladder
         can follow before it has measured two counts."""
-        if self.estimated is None:
-            return None
-        arch, pointer_types = self.estimated
-        bounds = estimate.envelope(arch, constexprs, pointer_types, stages, warps)
+        bounds = self._envelope(constexprs, stages, warps)
         if bounds is None:
             return None
         return bounds.low if required in (stages * bounds.low, (stages - 1) * bounds.low) else None
+
+    def _envelope(self, constexprs: dict, stages: int, warps: int):
+        """The calibrated envelope of a candidate, where the failing launch showed the model holds."""
+        if self.estimated is None:
+            return None
+        arch, pointer_types = self.estimated
+        return estimate.envelope(arch, constexprs, pointer_types, stages, warps)
 
     def dominated(self, constexprs: dict, stages: int) -> tuple | None:
         """A measured overflow this candidate cannot need less than: every tile at least as large,
