@@ -34,13 +34,12 @@ def main() -> int:
     chosen = [gpus.lookup(name) for name in GPUS]
     kernels = preflight.discover([], examples=True)
     with tempfile.TemporaryDirectory(prefix="smemguard-amd-check-") as scratch:
-        triton_cache = str(Path(scratch) / "triton")
         started = time.perf_counter()
-        estimated = preflight.check(kernels, chosen, jobs=args.jobs, triton_cache_dir=triton_cache,
+        estimated = preflight.check(kernels, chosen, jobs=args.jobs,
                                     cache=preflight.ResultCache(Path(scratch) / "estimated"))
         estimated_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        exact = preflight.check(kernels, chosen, exact=True, jobs=args.jobs, triton_cache_dir=triton_cache,
+        exact = preflight.check(kernels, chosen, exact=True, jobs=args.jobs,
                                 cache=preflight.ResultCache(Path(scratch) / "exact"))
         exact_seconds = time.perf_counter() - started
     missing = [key for key, verdict in estimated.verdicts.items()

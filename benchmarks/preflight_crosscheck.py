@@ -127,8 +127,8 @@ def main() -> int:
     checked = list(kernels.values())
     with tempfile.TemporaryDirectory(prefix="smemguard-crosscheck-") as scratch:
         jobs = min(os.cpu_count() or 1, 16)
-        exact = preflight.check(checked, [gpu], exact=True, jobs=jobs, triton_cache_dir=f"{scratch}/preflight")
-        default = preflight.check(checked, [gpu], jobs=jobs, triton_cache_dir=f"{scratch}/preflight")
+        exact = preflight.check(checked, [gpu], exact=True, jobs=jobs)
+        default = preflight.check(checked, [gpu], jobs=jobs)
         print(f"preflight: {exact.compiles} compiles in {exact.seconds:.1f} s (--exact); default check "
               f"{default.compiles} compiles, {default.counts()[preflight.ESTIMATED]} verdicts estimated")
         rows = []

@@ -26,8 +26,9 @@ each GPU's arch on this machine with Triton's own compiler, and compares the sha
 compiled kernel needs with the GPU's per-block limit: exactly the check that raises
 OutOfResources on the GPU. Each config is compiled as aligned launches (16-byte aligned
 pointers, sizes divisible by 16: the most shared memory) and as misaligned ones, plus the
-specializations you name with --one. No GPU is needed: NVIDIA GPUs compile through ptxas, AMD GPUs
-(gfx*: MI300X, MI355X, ...) through Triton's HIP backend, both shipped in the Triton wheel.
+specializations you name with --one. No GPU is needed: Triton's CUDA and HIP backends (gfx*: MI300X,
+MI355X, ...) ship in its wheel, and each compile stops once Triton has allocated shared memory
+(LLVM IR), before PTX and ptxas.
 
 Exit status: 0 when every kernel has a fitting config on every GPU in every specialization,
 1 when some kernel has none on some GPU (it would raise OutOfResources there whatever the

@@ -1,27 +1,38 @@
 """The calibrated estimate: bounds on the shared memory of a matmul-like compile, without compiling.
 
 For matmul-like configs (``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` constexprs) inside the calibrated domain
-(sm_80, sm_89, sm_90: fp16, bf16 or fp32 operands; gfx90a, gfx942, gfx950: fp16 or bf16; tiles
-32 to 256, BLOCK_K 32 to 128, 1 to 5 stages, 4 or 8 warps) an interval estimate decides the clear
-cases. With T the bytes of one stage of the A and B tiles, E those of one output tile and S the stages:
+(sm_70, sm_75, sm_80, sm_89, sm_90, sm_120: fp16, bf16 or fp32 operands; gfx90a, gfx942, gfx950: fp16
+or bf16; tiles 32 to 256, BLOCK_K 32 to 128, 1 to 5 stages, 4 or 8 warps) an interval estimate decides
+the clear cases. With A and B the bytes of one A and one B tile, T = A + B (one stage), E those of
+one output tile and S the stages:
 
-=================================================================  ===========================
+=================================================================  ==================================
 code path                                                          interval (bytes)
-=================================================================  ===========================
+=================================================================  ==================================
+registers: sm_70, sm_75 (no cp.async), 2-byte operands, any S      [2·max(A, B), max(2·max(A, B), E)]
+registers: sm_70, sm_75, fp32 operands, any S                      [T, max(T, E)]
 wgmma: sm_90, BLOCK_M >= 64, pipelined                             [S·T, S·T]
-mma: sm_80/89, or BLOCK_M < 64, pipelined                          [(S-1)·T, max((S-1)·T, E)]
+mma: sm_80/89/120, or BLOCK_M < 64, pipelined                      [(S-1)·T, max((S-1)·T, E)]
 one stage: misaligned 2-byte operands (cp.async needs 4 bytes)     [T, max(T, E)]
-launches with arguments == 1                                       [T, S·T + E]
-=================================================================  ===========================
+launches with arguments == 1 (sm_80 and later)                     [T, S·T + E]
+=================================================================  ==================================
 
 "Pipelined" means cp.async can feed the stages: 16-byte aligned, or 4-byte elements (fp32 is
-pipelined even misaligned). Calibration: every measurement lies inside its interval, so the
-estimate is off by at most the interval's width (nothing for wgmma; up to E - (S-1)·T where an
-epilogue scratch dominates, 16 of 446 configs in the Triton 3.6 sweep). Measured: the 743
-configs of ``tests/data/triton36_smem_sweep.csv`` (Triton 3.6; fp16, fp32; aligned,
-misaligned, N == 1; sm_80/89/90) and, with Triton 3.9.0 on the same archs, 3096 compiles:
-FlagGems' 216-config grid in fp16 and 138 configs in bf16 (aligned, misaligned), 108 in fp32
-(aligned, misaligned, N == 1). The textbook S·T is off by S/(S-1) on sm_80/89: it drops configs that fit.
+pipelined even misaligned). Before sm_80 Triton runs no software pipeliner (3.4 to 3.9): every
+load goes through registers, aligned or not, and ``num_stages`` changes nothing; a 2-byte operand
+tile then takes a buffer the size of the larger of the two (mma), fp32 the two tiles (FMA).
+sm_120 is pipelined as sm_80/89 (mma, no wgmma). Calibration: every measurement lies inside its
+interval, so the estimate is off by at most the interval's width (nothing for wgmma; up to
+E - (S-1)·T where an epilogue scratch dominates, 16 of 446 configs in the Triton 3.6 sweep; on
+sm_70/75 no epilogue scratch was measured). Measured: the 743 configs of
+``tests/data/triton36_smem_sweep.csv`` (Triton 3.6; fp16, fp32; aligned, misaligned, N == 1;
+sm_80/89/90) and, with Triton 3.9.0 on the same archs, 3096 compiles: FlagGems' 216-config grid in
+fp16 and 138 configs in bf16 (aligned, misaligned), 108 in fp32 (aligned, misaligned, N == 1); for
+sm_75 and sm_120, ``tests/data/nvidia_smem_sweep.csv`` (``benchmarks/nvidia_smem_sweep.py``,
+Triton 3.9.0 and 3.6.0: fp16 at 1 to 5 stages aligned and misaligned, bf16 and fp32 aligned and
+misaligned, fp16 with N == 1, the example persistent matmul; 988 compiles) and 48 fp16 configs
+on sm_70 (Triton 3.9.0). The textbook S·T is off by S/(S-1) on sm_80/89/120 and by up to S on
+sm_70/75: it drops configs that fit.
 
 On AMD (gfx90a, gfx942, gfx950; fp16 or bf16 operands; same tiles, stages and warps), with A and
 B the bytes of one A and one B tile (T = A + B), measured by ``benchmarks/amd_lds_sweep.py``:
@@ -49,7 +60,11 @@ A verdict is taken from the estimate only when the whole interval is :data:`ESTI
 limit, and only for a kernel whose measured configs agree with the model on that arch,
 specialization and code path (:mod:`smemguard.preflight.check` decides which): the configs nearest the limit on each
 side are always compiled, and one measurement outside its interval makes the check compile every
-config of that group.
+config of that group. One exception to the margin: where stages change nothing
+(:func:`stages_change_bytes`: sm_70/75, and the code paths of :data:`STAGE_FREE_REGIMES`), a config
+that differs from a compiled one only in ``num_stages`` takes that compile's bytes (an interval of
+width 0, near the limit too), once two stage variants of the group's cheapest config have compiled
+to the same bytes; any two that differ make the check compile every config of the group.
 """
 
 from __future__ import annotations
@@ -72,8 +87,12 @@ OVERFLOWS = "overflows"
 #: and kernels that differ from the calibrated ones in ways the validation compiles did not catch.
 ESTIMATE_MARGIN = 0.10
 
-#: Archs with calibration data. Others (sm_86, sm_100, sm_120, gfx1100, ...) are always compiled.
-CALIBRATED_ARCHS = (80, 89, 90, "gfx90a", "gfx942", "gfx950")
+#: Archs with calibration data. Others (sm_86, sm_100, gfx1100, ...) are always compiled.
+CALIBRATED_ARCHS = (70, 75, 80, 89, 90, 120, "gfx90a", "gfx942", "gfx950")
+
+#: Code paths on which the calibration measured the same bytes at every ``num_stages`` of a config:
+#: loads through registers (sm_70, sm_75), one stage (misaligned 2-byte operands), unpipelined LDS.
+STAGE_FREE_REGIMES = ("registers", "one stage", "unpipelined")
 
 #: Element types of the A operand with calibration data on AMD.
 CALIBRATED_AMD_OPERANDS = ("fp16", "bf16")
@@ -102,7 +121,8 @@ class Estimate:
 
     low: int
     high: int
-    # "wgmma", "mma", "one stage", "arguments == 1"; on AMD "unpipelined", "lds pipelined", "misaligned", "async copy"
+    # "registers", "wgmma", "mma", "one stage", "arguments == 1"; "any" (an envelope); on AMD "unpipelined",
+    # "lds pipelined", "misaligned", "async copy"
     regime: str
 
     def holds(self, shared: int) -> bool:
@@ -130,18 +150,20 @@ def estimate(request, spec) -> Estimate | None:
     if domain is None:
         return None
     element, (block_m, block_n, block_k) = domain
+    a_tile, b_tile = block_m * block_k * element, block_k * block_n * element
     if not isinstance(request.arch, int):
-        return None if spec.ones else _amd_estimate(request.arch, spec, block_m * block_k * element,
-                                                    block_k * block_n * element, stages)
-    stage = (block_m * block_k + block_k * block_n) * element
+        return None if spec.ones else _amd_estimate(request.arch, spec, a_tile, b_tile, stages)
+    stage = a_tile + b_tile
     epilogue = block_m * block_n * max(ELEMENT_BYTES[ty] for ty in pointer_types)
+    if request.arch < 80:
+        return _through_registers(element, a_tile, b_tile, epilogue)
     if spec.ones:
         return Estimate(stage, stages * stage + epilogue, "arguments == 1")
     # cp.async copies 4, 8 or 16 bytes: 4-byte elements are always pipelined, 2-byte ones only
     # from 16-byte aligned addresses; otherwise the loads go through registers, one stage.
     if not spec.aligned and element < 4:
         return Estimate(stage, max(stage, epilogue), "one stage")
-    if request.arch >= 90 and block_m >= 64:  # wgmma reads every stage from shared memory
+    if request.arch == 90 and block_m >= 64:  # wgmma (sm_90 only) reads every stage from shared memory
         return Estimate(stages * stage, stages * stage, "wgmma")
     pipelined = max(stages - 1, 1) * stage  # mma: one stage lives in registers
     return Estimate(pipelined, max(pipelined, epilogue), "mma")
@@ -150,7 +172,8 @@ def estimate(request, spec) -> Estimate | None:
 def envelope(arch, constants: dict, pointer_types: list[str], stages: int, warps: int) -> Estimate | None:
     """Bounds that hold in every specialization (aligned, misaligned, ``N == 1``) of a matmul-like
     compile, or None outside the calibrated domain: from one stage of its A and B tiles to all its
-    stages and an output tile, on NVIDIA. None on AMD: its intervals were calibrated without
+    stages and an output tile, on NVIDIA from sm_80 (before, the one interval of loads through
+    registers). None on AMD: its intervals were calibrated without
     arguments equal to 1, and a launch cannot tell an ``N == 1`` from a unit stride.
 
     What recovery uses, knowing only a launch: a kernel whose measured bytes lie inside its envelope
@@ -160,9 +183,18 @@ def envelope(arch, constants: dict, pointer_types: list[str], stages: int, warps
     if domain is None or not isinstance(arch, int):
         return None
     element, (block_m, block_n, block_k) = domain
-    stage = (block_m * block_k + block_k * block_n) * element
+    a_tile, b_tile = block_m * block_k * element, block_k * block_n * element
     epilogue = block_m * block_n * max(ELEMENT_BYTES[ty] for ty in pointer_types)
-    return Estimate(stage, stages * stage + epilogue, "any")
+    if arch < 80:  # one code path in every specialization
+        return _through_registers(element, a_tile, b_tile, epilogue)
+    return Estimate(a_tile + b_tile, stages * (a_tile + b_tile) + epilogue, "any")
+
+
+def _through_registers(element: int, a_tile: int, b_tile: int, epilogue: int) -> Estimate:
+    """No cp.async before Ampere: loads go through registers, whatever the stages; 2-byte operands
+    (mma) take a buffer of the larger tile's size each, fp32 (FMA) the two tiles."""
+    operands = 2 * max(a_tile, b_tile) if element < 4 else a_tile + b_tile
+    return Estimate(operands, max(operands, epilogue), "registers")
 
 
 def _in_domain(arch, constants: dict, pointer_types: list[str], stages: int, warps: int):
@@ -177,6 +209,16 @@ def _in_domain(arch, constants: dict, pointer_types: list[str], stages: int, war
                  and 32 <= min(block_m, block_n) and max(block_m, block_n) <= 256 and 32 <= block_k <= 128
                  and 1 <= stages <= 5 and warps in (4, 8))
     return (ELEMENT_BYTES[operand], tiles) if in_domain else None
+
+
+def stages_change_bytes(arch: int | str, interval: Estimate | None) -> bool:
+    """Whether ``num_stages`` may change the shared memory of a compile for ``arch`` estimated as
+    ``interval``. Not before sm_80, where Triton (3.4 to 3.9) runs no software pipeliner, and not on
+    the code paths where the calibration measured every stage count of a config at the same bytes
+    (:data:`STAGE_FREE_REGIMES`)."""
+    if isinstance(arch, int) and arch < 80:
+        return False
+    return interval is None or interval.regime not in STAGE_FREE_REGIMES
 
 
 def _amd_estimate(arch: str, spec, a_tile: int, b_tile: int, stages: int) -> Estimate:

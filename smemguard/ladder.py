@@ -7,7 +7,9 @@ kernel is never launched to find out whether it fits):
    tiles unchanged, results bitwise identical. Counts are skipped that the measured bytes per
    stage show cannot fit, and a stage fewer that needs exactly as many bytes ends this rung:
    the bytes are not the pipeline's (misaligned loads on gfx942 or sm_80 keep one buffer
-   whatever ``num_stages`` says), so fewer stages still would only cost compiles;
+   whatever ``num_stages`` says), so fewer stages still would only cost compiles. Before sm_80,
+   where Triton runs no software pipeliner, stages change no byte: this rung, and the fewer-stage
+   variants of rung 2, are skipped without a compile;
 2. for tuned kernels, another config of the kernel's own list: the fastest the tuner timed
    for this key, else the largest tile; for a plain JIT function launched with a grid
    function, the alternatives registered for it. When several fit, up to :data:`RACE` are
@@ -97,6 +99,8 @@ class _Measured:
     overflowing: list = dataclasses.field(default_factory=list)  # (constexprs, num_stages) measured too big
     skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
     stages_inert: str = ""  # why fewer stages were given up, when they did not lower the bytes
+    # False where Triton runs no software pipeliner (before sm_80): num_stages changes no byte there.
+    stages_matter: bool = True
     # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
     estimated: tuple | None = None
     compile_ms: float = 0.0
@@ -105,6 +109,7 @@ class _Measured:
     def of(cls, launch: Launch, failing, error) -> "_Measured":
         measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
         arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
+        measured.stages_matter = arch is None or estimate.stages_change_bytes(arch, None)
         signature = getattr(getattr(failing, "src", None), "signature", None) or {}
         pointer_types = [match.group(1) for ty in signature.values()
                          if isinstance(ty, str) and (match := _OPERAND_TYPE.match(ty))]
@@ -140,9 +145,9 @@ class _Measured:
     def dominated(self, constexprs: dict, stages: int) -> tuple | None:
         """A measured overflow this candidate cannot need less than: every tile at least as large,
         as many stages or more, every other constexpr the same (then it needs at least as much
-        shared memory: the buffers only grow with tiles and stages)."""
+        shared memory: the buffers only grow with tiles and stages); any stages where they do not matter."""
         for measured, measured_stages in self.overflowing:
-            if stages < measured_stages or measured.keys() != constexprs.keys():
+            if (stages < measured_stages and self.stages_matter) or measured.keys() != constexprs.keys():
                 continue
             if all((value >= measured[name]) if _is_tile(name, value) and _is_tile(name, measured[name])
                    else value == measured[name] for name, value in constexprs.items()):
@@ -166,9 +171,12 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
             warps //= 2
         return
     last_stages, last_bytes = failing.metadata.num_stages, error.required
+    counts = "1" if last_stages == 2 else f"1 to {last_stages - 1}"
+    if not measured.stages_matter and last_stages > 1:
+        measured.skipped.append(f"num_stages={counts}: Triton pipelines nothing before sm_80, stages change no byte")
+        return
     bound = measured.too_big(_constexprs(launch), 1, failing.metadata.num_warps)
     if bound is not None and last_stages > 1:
-        counts = "1" if last_stages == 2 else f"1 to {last_stages - 1}"
         measured.skipped.append(f"num_stages={counts}: at least {bound} B, one stage of its tiles (calibrated estimate)")
         return
     stages = last_stages - 1
@@ -250,9 +258,9 @@ def _order(configs: list, reference, limit: int) -> list:
     return sorted(configs, key=rank)
 
 
-def _candidate_configs(launch: Launch, reference, limit: int):
+def _candidate_configs(launch: Launch, reference, limit: int, stages_matter: bool):
     """(candidate, the allowed config it derives from): the other allowed configs as they are
-    first, then with fewer stages.
+    first, then with fewer stages (where stages change the bytes).
 
     Order: timed fastest by the tuner for this key first, then untimed ones most likely to fit
     first (:func:`_order`); configs that already failed while tuning this key are only retried
@@ -265,7 +273,7 @@ def _candidate_configs(launch: Launch, reference, limit: int):
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
     for config in (*timed, *untimed):
         yield config, config
-    if not takes_variants(launch):
+    if not takes_variants(launch) or not stages_matter:
         return
     variants = [(variant(config, num_stages=stages), config) for config in (*timed, *untimed, *failed)
                 for stages in range(config.num_stages - 1, 0, -1)]
@@ -325,7 +333,8 @@ def decide(launch: Launch, failing, error) -> Decision:
     wanted = RACE if racing else 1
     fitted_bases: list = []  # a config that fits needs no fewer-stage variant
     reference = (launch.config if launch.config is not None else _launch_as_config(launch, failing), error.required)
-    candidates = list(_candidate_configs(launch, reference, error.limit)) if len(fitting) < wanted else []
+    candidates = (list(_candidate_configs(launch, reference, error.limit, measured.stages_matter))
+                  if len(fitting) < wanted else [])
     raced_batches = 0  # batches compiled only to find more candidates to race, once one fits
     while budget > 0 and len(fitting) < wanted and raced_batches < RACE_BATCHES:
         # As many as are still wanted, compiled together: the ones predicted to fit usually do.

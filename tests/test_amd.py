@@ -177,12 +177,10 @@ AROUND_AMD = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages
               dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)]
 
 
-def test_check_for_mi300x_and_mi355x_estimates_only_what_compiles_confirm(results, triton_cache, tmp_path):
+def test_check_for_mi300x_and_mi355x_estimates_only_what_compiles_confirm(results, tmp_path):
     kernels = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_AMD})
-    estimated = preflight.check(kernels, [MI300X, MI355X], jobs=2, cache=preflight.ResultCache(tmp_path / "cold"),
-                                triton_cache_dir=triton_cache)
-    exact = preflight.check(kernels, [MI300X, MI355X], exact=True, jobs=2, cache=results,
-                            triton_cache_dir=triton_cache)
+    estimated = preflight.check(kernels, [MI300X, MI355X], jobs=2, cache=preflight.ResultCache(tmp_path / "cold"))
+    exact = preflight.check(kernels, [MI300X, MI355X], exact=True, jobs=2, cache=results)
     assert {verdict.verdict for verdict in exact.verdicts.values()} == {preflight.FITS, preflight.OVERFLOWS}
     assert {verdict.how for verdict in estimated.verdicts.values()} == {preflight.MEASURED, preflight.ESTIMATED}
     assert estimated.compiles < exact.compiles == len(AROUND_AMD) * 2 * 2
@@ -220,12 +218,12 @@ def test_the_amd_estimate_holds_every_config_the_sweep_measured_with_this_triton
     assert all(dtype == "fp32" or spec == "N=1" for dtype, spec in compiled), "outside the calibrated domain only"
 
 
-def test_amd_gpus_this_triton_cannot_compile_for_are_listed_as_not_checked(monkeypatch, results, triton_cache):
+def test_amd_gpus_this_triton_cannot_compile_for_are_listed_as_not_checked(monkeypatch, results):
     check_module = importlib.import_module("smemguard.preflight.check")
     reason = "Triton 3.4.0 links AMD code objects with an external ld.lld"
     monkeypatch.setattr(check_module, "hip_compile_problem", lambda: reason)
     kernels = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_AMD[3:4]})
-    report = preflight.check(kernels, [gpus.lookup("L4"), MI300X], jobs=1, cache=results, triton_cache_dir=triton_cache)
+    report = preflight.check(kernels, [gpus.lookup("L4"), MI300X], jobs=1, cache=results)
     assert report.compiles == 2 and report.unchecked == {"MI300X": reason}
     assert {report.verdict(0, 0, spec, "MI300X").verdict for spec in ("aligned", "misaligned")} == {
         preflight.NOT_CHECKED}

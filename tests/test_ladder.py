@@ -68,6 +68,22 @@ def test_stages_whose_tiles_alone_overflow_by_the_estimate_are_not_compiled(inst
     assert all(attempt["fits"] for attempt in record["attempts"][1:]) and record["compiles"] <= 3
 
 
+def test_before_sm_80_no_stage_count_is_compiled(install_guard, incident_log, triton_cache):
+    """sm_75 runs no software pipeliner: 128x128x128 fp16 needs 65536 B at any stage count, so neither
+    fewer stages nor the other configs' fewer-stage variants are compiled; only the other configs."""
+    configs = [config(128, 128, 128, 3), config(128, 64, 64, 3), config(64, 64, 64, 2)]
+    tuned, (a, b, c) = tuned_elsewhere(configs)
+    install_guard()
+    with fake_gpu("T4", max_shared=40000, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    assert record["required"] == 65536 and record["action"] == "config_changed"
+    assert record["skipped"][0] == "num_stages=1 to 2: Triton pipelines nothing before sm_80, stages change no byte"
+    compiled = [attempt["changes"] for attempt in record["attempts"][1:]]
+    assert len(compiled) == record["compiles"] == 2 and all("BLOCK" in text for text in compiled), compiled
+    assert gpu.launches[-1].num_stages in (2, 3) and gpu.launches[-1].shared <= 40000
+
+
 def test_no_estimate_for_a_kernel_whose_bytes_it_does_not_explain(install_guard, incident_log, triton_cache):
     """The same tiles on sm_86, outside the calibrated archs: every stage count is compiled and measured."""
     a, b, c = operands()

@@ -42,10 +42,9 @@ def results(tmp_path) -> preflight.ResultCache:
     return preflight.ResultCache(tmp_path / "preflight")
 
 
-def check_cli(argv, monkeypatch, cache, triton_cache):
+def check_cli(argv, monkeypatch, cache):
     """``smemguard check ARGV`` through the CLI's own entry point; returns the exit status."""
     monkeypatch.setattr(preflight, "default_cache", lambda: cache)
-    monkeypatch.setenv("TRITON_CACHE_DIR", triton_cache)  # spawned compiler processes inherit it
     return cli.main(["check", *argv])
 
 
@@ -86,7 +85,7 @@ def test_check_reports_exactly_the_configs_a_launch_on_an_l4_rejects(results, tr
     kernels = (preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_L4})
                + preflight.discover(["smemguard.examples:matmul_persistent_kernel"], overrides={"configs": [
                    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4)]}))
-    report = preflight.check(kernels, [L4], exact=True, jobs=1, cache=results, triton_cache_dir=triton_cache)
+    report = preflight.check(kernels, [L4], exact=True, jobs=1, cache=results)
     assert report.counts()[preflight.ESTIMATED] == 0
 
     checked = 0
@@ -120,14 +119,13 @@ def assert_estimates_agree(estimated: preflight.Report, exact: preflight.Report)
             assert verdict.shared is None and verdict.low <= exact.verdicts[key].shared <= verdict.high, key
 
 
-def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, triton_cache, tmp_path):
+def test_estimated_verdicts_agree_with_compiled_ones_and_say_so(results, tmp_path):
     clear = [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)]
     kernels = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_L4 + clear})
-    estimated = preflight.check(kernels, [L4], jobs=1, cache=preflight.ResultCache(tmp_path / "cold"),
-                                triton_cache_dir=triton_cache)
-    exact = preflight.check(kernels, [L4], exact=True, jobs=1, cache=results, triton_cache_dir=triton_cache)
+    estimated = preflight.check(kernels, [L4], jobs=1, cache=preflight.ResultCache(tmp_path / "cold"))
+    exact = preflight.check(kernels, [L4], exact=True, jobs=1, cache=results)
     hows = {verdict.how for verdict in estimated.verdicts.values()}
     assert hows == {preflight.MEASURED, preflight.ESTIMATED}
     assert estimated.compiles < exact.compiles == len(AROUND_L4 + clear) * 2
@@ -179,10 +177,10 @@ def test_estimate_interval_holds_every_config_of_the_triton_36_sweep():
 
 
 def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_schema(
-        monkeypatch, capsys, results, triton_cache):
+        monkeypatch, capsys, results):
     argv = ["smemguard.examples:attention_fwd", "--meta", "BLOCK_M=128,BLOCK_N=128,num_warps=8,num_stages=3",
             "--gpu", "L4,MI300X", "--json", "--quiet", "--jobs", "1"]
-    assert check_cli(argv, monkeypatch, results, triton_cache) == 1
+    assert check_cli(argv, monkeypatch, results) == 1
     document = json.loads(capsys.readouterr().out)
 
     assert document["schema"] == "smemguard.check/1" and document["exit_status"] == 1
@@ -208,10 +206,10 @@ def test_check_exits_1_when_a_kernel_has_no_fitting_config_and_writes_the_json_s
 
 
 def test_check_exits_0_when_every_kernel_fits_and_shows_progress_and_a_table(
-        monkeypatch, capsys, results, triton_cache):
+        monkeypatch, capsys, results):
     argv = ["smemguard.examples:attention_fwd", "--meta", "BLOCK_M=64,BLOCK_N=32,num_warps=4,num_stages=2",
             "--meta", "BLOCK_M=128,BLOCK_N=128,num_warps=8,num_stages=3", "--gpu", "L4", "--jobs", "2"]
-    assert check_cli(argv, monkeypatch, results, triton_cache) == 0
+    assert check_cli(argv, monkeypatch, results) == 0
     captured = capsys.readouterr()
     assert "[4/4] sm_89 attention_fwd" in captured.err, "one progress line per compile, on stderr"
     lines = captured.out.splitlines()
@@ -221,27 +219,26 @@ def test_check_exits_0_when_every_kernel_fits_and_shows_progress_and_a_table(
     assert "NO FITTING CONFIG" not in captured.out
 
     # A second run compiles nothing: every result comes from the cache.
-    assert check_cli(argv + ["--json", "--quiet"], monkeypatch, results, triton_cache) == 0
+    assert check_cli(argv + ["--json", "--quiet"], monkeypatch, results) == 0
     document = json.loads(capsys.readouterr().out)
     assert (document["compiles"], document["cache_hits"]) == (0, 4)
     assert document["verdicts"]["cached"] == 4
 
 
-def test_cache_is_keyed_by_target_and_specialization(results, triton_cache):
+def test_cache_is_keyed_by_target_and_specialization(results):
     [kernel] = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": AROUND_L4[:1]})
     aligned, misaligned = kernel.specializations
     keys = {preflight.cache_key(kernel.jit, preflight.build_request(kernel, kernel.variants[0], spec, arch))
             for spec in (aligned, misaligned) for arch in (80, 89, 90)}
     assert len(keys) == 6
-    first = preflight.check([kernel], [L4], exact=True, jobs=1, cache=results, triton_cache_dir=triton_cache)
-    again = preflight.check([kernel], [gpus.lookup("L20")], exact=True, jobs=1, cache=results,
-                            triton_cache_dir=triton_cache)
+    first = preflight.check([kernel], [L4], exact=True, jobs=1, cache=results)
+    again = preflight.check([kernel], [gpus.lookup("L20")], exact=True, jobs=1, cache=results)
     assert (again.compiles, again.cache_hits) == (0, 2), "L20 is sm_89 too: the L4's results answer"
     assert again.verdict(0, 0, "aligned", "L20").shared == first.verdict(0, 0, "aligned", "L4").shared
     assert len(list(results.directory.glob("*/*.json"))) >= 2
 
 
-def test_usage_errors_exit_2(monkeypatch, capsys, results, triton_cache):
+def test_usage_errors_exit_2(monkeypatch, capsys, results):
     cases = [(["--examples", "--gpu", "L5"], "unknown GPU 'L5'"),
              (["no_such_module_xyz", "--gpu", "L4"], "could not be imported"),
              (["smemguard.examples:nothing", "--gpu", "L4"], "has no attribute 'nothing'"),
@@ -250,7 +247,7 @@ def test_usage_errors_exit_2(monkeypatch, capsys, results, triton_cache):
              (["smemguard.examples:flaggems_matmul", "--one", "Q", "--gpu", "L4"], "not integer parameters"),
              (["--gpu", "L4"], "nothing to check")]
     for argv, message in cases:
-        assert check_cli(argv, monkeypatch, results, triton_cache) == 2, argv
+        assert check_cli(argv, monkeypatch, results) == 2, argv
         assert message in capsys.readouterr().err, argv
 
 
@@ -263,7 +260,7 @@ def test_help_teaches_targets_exit_status_and_the_json_schema(capsys):
         assert expected in text, expected
 
 
-def test_a_kernel_file_is_found_typed_and_compiled_in_worker_processes(tmp_path, results, triton_cache):
+def test_a_kernel_file_is_found_typed_and_compiled_in_worker_processes(tmp_path, results):
     source = tmp_path / "my_kernels.py"
     source.write_text(textwrap.dedent("""
         import triton
@@ -283,7 +280,7 @@ def test_a_kernel_file_is_found_typed_and_compiled_in_worker_processes(tmp_path,
                             "stride_xn": "i32", "stride_om": "i32", "stride_on": "i32"}
     assert kernel.unit_args == ("stride_xn", "stride_on")
     assert kernel.locator is not None and kernel.locator[2] == str(source)
-    report = preflight.check([kernel], [L4], jobs=2, cache=results, triton_cache_dir=triton_cache)
+    report = preflight.check([kernel], [L4], jobs=2, cache=results)
     assert {v.verdict for v in report.verdicts.values()} == {preflight.FITS}
     assert report.compiles == 2 and report.exit_status == 0
 

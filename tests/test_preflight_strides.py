@@ -68,7 +68,7 @@ def test_issue_15_short_stride_names_are_reported_as_the_launch_overflows(monkey
     assert kernel.unit_args == ("sak", "sbn", "scn") and kernel.unsure_unit_args == ()
     argv = [f"{__name__}:short_names_matmul", "--meta", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=5",
             "--gpu", "L4", "--exact", "--json", "--quiet", "--jobs", "1"]
-    assert check_cli(argv, monkeypatch, results, triton_cache) == 1, "the deploy gate fails"
+    assert check_cli(argv, monkeypatch, results) == 1, "the deploy gate fails"
     document = json.loads(capsys.readouterr().out)
     aligned = document["kernels"][0]["configs"][0]["gpus"]["L4"]["specializations"]["aligned"]
     assert (aligned["verdict"], aligned["shared"]) == ("overflows", 131072)
@@ -91,7 +91,7 @@ def test_unsure_strides_are_checked_in_each_reading_and_the_worse_counts(monkeyp
                         "aligned by-layout": ("by-layout", ("swn",)), "misaligned by-layout": ("by-layout", ("swn",)),
                         "aligned non-unit": ("non-unit", ()), "misaligned non-unit": ("non-unit", ())}
 
-    report = preflight.check([kernel], [L4], exact=True, jobs=1, cache=results, triton_cache_dir=triton_cache)
+    report = preflight.check([kernel], [L4], exact=True, jobs=1, cache=results)
     a, w, c = operands()
     # Each reading is a real launch: W (N, K) contiguous, W the transpose of a (K, N) one, W strided.
     launches = {"aligned": w, "aligned by-layout": torch.empty(256, 256, dtype=torch.float16).t(),
@@ -114,24 +114,24 @@ def test_unsure_strides_are_checked_in_each_reading_and_the_worse_counts(monkeyp
             "guessed_ones": ["swn"]} in document["specializations"]
 
 
-def test_the_unit_hint_settles_unsure_strides(monkeypatch, capsys, results, triton_cache):
+def test_the_unit_hint_settles_unsure_strides(monkeypatch, capsys, results):
     kernel = discovered(weight_nk_matmul, unit=["sak", "swk", "scn"])
     assert kernel.unsure_unit_args == () and [spec.name for spec in kernel.specializations] == ["aligned",
                                                                                                 "misaligned"]
     target = [f"{__name__}:weight_nk_matmul", "--meta", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=4",
               "--gpu", "L4", "--exact", "--quiet", "--jobs", "1"]
-    assert check_cli(target + ["--unit", "sak,swk,scn"], monkeypatch, results, triton_cache) == 0
+    assert check_cli(target + ["--unit", "sak,swk,scn"], monkeypatch, results) == 0
     out = capsys.readouterr().out
     assert "always 1: sak, swk, scn" in out and "unsure" not in out
-    assert check_cli(target + ["--unit", "none"], monkeypatch, results, triton_cache) == 0
+    assert check_cli(target + ["--unit", "none"], monkeypatch, results) == 0
     out = capsys.readouterr().out
     assert "always 1" not in out and "unsure" not in out
     # Unsure and --json: the document lists the readings, stderr says what to do.
-    assert check_cli(target[:-3] + ["--json"], monkeypatch, results, triton_cache) == 0
+    assert check_cli(target[:-3] + ["--json"], monkeypatch, results) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["kernels"][0]["unsure_unit_args"] == ["swn", "swk"]
     assert "weight_nk_matmul: unsure which strides are 1 at launch: swn, swk" in captured.err
-    assert check_cli(target + ["--unit", "sak,nope"], monkeypatch, results, triton_cache) == 2
+    assert check_cli(target + ["--unit", "sak,nope"], monkeypatch, results) == 2
     assert "--unit names ['nope'], which are not runtime parameters" in capsys.readouterr().err
 
 

@@ -1,9 +1,10 @@
 """Preflight: which configs of which Triton kernels overflow which GPUs, found without the GPUs.
 
 ``smemguard check`` compiles every config of every kernel it finds for each GPU's arch with
-Triton's own compiler (``triton.compile`` on an ``ASTSource`` for a ``GPUTarget``: no GPU, no
-driver; ptxas ships in the Triton wheel) and compares the compiled kernel's ``metadata.shared``
-with the GPU's per-block opt-in limit from :mod:`smemguard.gpus`: the comparison
+Triton's own compiler (its stages on an ``ASTSource`` for a ``GPUTarget``, as ``triton.compile``
+runs them: no GPU, no driver) up to the stage that allocates shared memory (LLVM IR; PTX and
+ptxas, most of a large config's compile, are skipped), and compares the ``metadata.shared`` it
+sets with the GPU's per-block opt-in limit from :mod:`smemguard.gpus`: the comparison
 ``CompiledKernel._init_handles`` makes before it raises ``OutOfResources`` on the real GPU.
 
 Specializations. Shared memory depends on how a kernel is launched (DESIGN.md sections 4-5), so
@@ -22,7 +23,7 @@ it fits in every specialization checked; a kernel is a deploy risk on a GPU when
 specialization, none of its configs fits.
 
 Speed. Results are cached on disk under Triton's own compile-cache key (Triton, kernel source and
-dependencies, signature, constants, attributes, options, ptxas version, arch) in
+dependencies, signature, constants, attributes, options, backend, arch) in
 ``<SMEMGUARD_CACHE_DIR>/preflight``; compiles run in a pool of processes; and for matmul-like
 configs a calibrated interval estimate decides the clear cases (:mod:`smemguard.estimate`, which
 recovery uses too). Estimated

@@ -8,14 +8,14 @@ import math
 import os
 import time
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .. import gpus, introspect
 from .._version import __version__
 from .cache import ResultCache
 from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
-from ..estimate import Estimate, estimate
+from ..estimate import Estimate, estimate, stages_change_bytes
 from .model import (BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
                     Specialization, Variant)
 
@@ -49,6 +49,9 @@ class Item:
     how: str | None = None  # MEASURED or CACHED once result is set
     submitted: bool = False
     retried: bool = False
+    # The compiled config differing from this one only in num_stages, where stages change nothing
+    # (:func:`.estimate.stages_change_bytes`): its bytes are this config's, without a compile.
+    sibling: Item | None = None
 
     def agrees(self) -> bool:
         shared = self.result and self.result["shared"]
@@ -89,12 +92,69 @@ class _Group:
         self.limits = limits
         self.trusted = True
         self.tried: set[int] = set()
+        # Configs that differ only in num_stages, where stages change nothing: once two of one family
+        # (the cheapest, at its fewest and most stages) have compiled to the same bytes, each family
+        # needs one compile. Any two of a family that differ end the sharing: everything compiles.
+        families: dict[Variant, list[Item]] = {}
+        for item in items:
+            if item.request is not None and item.problem is None and not stages_change_bytes(item.arch, item.interval):
+                families.setdefault(replace(item.variant, num_stages=0), []).append(item)
+        self.families = {key: members for key, members in families.items() if len(members) > 1}
+        self.stages_inert: bool | None = None if self.families else False
+        self.proof: list[Item] = []
 
     def unknown(self) -> list[Item]:
-        return [item for item in self.items if item.result is None and item.problem is None]
+        return [item for item in self.items if item.result is None and item.problem is None and item.sibling is None]
 
     def to_compile(self) -> list[Item]:
-        """Items to compile now: ambiguous ones, validation samples, or all when the model failed."""
+        """Items to compile now: ambiguous ones, validation samples, or all when the model failed; one
+        per family of stage variants where stages change nothing."""
+        self._share_stages()
+        return self._one_per_family(self._wanted())
+
+    def _share_stages(self) -> None:
+        measured = {key: {item.result["shared"] for item in members if item.result is not None}
+                    for key, members in self.families.items()}
+        if any(len(values) > 1 for values in measured.values()) or (
+                self.proof and all(item.result is not None for item in self.proof)
+                and None in {item.result["shared"] for item in self.proof}):
+            self.stages_inert = False
+            for item in self.items:
+                item.sibling = None
+            return
+        if self.stages_inert is None and self.proof and all(item.result is not None for item in self.proof):
+            self.stages_inert = True
+        if not self.stages_inert:
+            return
+        for members in self.families.values():
+            source = next((item for item in members if item.result is not None and item.result["shared"] is not None),
+                          None)
+            for item in members:
+                if source is not None and item.result is None and not item.submitted:
+                    item.sibling = source
+
+    def _one_per_family(self, wanted: list[Item]) -> list[Item]:
+        """``wanted`` less the stage variants whose family has a compile under way or done (they wait
+        for its bytes), plus the two compiles that show whether stages change the bytes here."""
+        if self.stages_inert is False:
+            return wanted
+        family_of = {id(item): key for key, members in self.families.items() for item in members}
+        if self.stages_inert is None and not self.proof and any(id(item) in family_of for item in wanted):
+            cheapest = min(self.families.values(), key=lambda members: _compile_cost(members[0].variant))
+            by_stages = sorted(cheapest, key=lambda item: item.variant.num_stages)
+            self.proof = [by_stages[0], by_stages[-1]]
+        chosen, started = [item for item in self.proof if not item.submitted and item.result is None], set()
+        for item in sorted(wanted, key=lambda item: item.variant.num_stages):
+            key = family_of.get(id(item))
+            if key is not None:
+                if key in started or any(_bytes_coming(other) for other in self.families[key] if other is not item):
+                    continue
+                started.add(key)
+            chosen.append(item)
+        return list({id(item): item for item in chosen}.values())
+
+    def _wanted(self) -> list[Item]:
+        """Ambiguous items and validation samples, or all unknown ones when the model failed."""
         if any(item.result is not None and item.result["shared"] is not None and item.interval is not None
                and not item.agrees() for item in self.items):
             self.trusted = False
@@ -128,6 +188,11 @@ class _Group:
         sample = min(untried, key=lambda item: _compile_cost(item.variant))
         self.tried.add(id(sample))
         return [sample]
+
+
+def _bytes_coming(item: Item) -> bool:
+    """Whether ``item`` has measured bytes or is being compiled."""
+    return item.result["shared"] is not None if item.result is not None else item.submitted
 
 
 @dataclass
@@ -235,7 +300,7 @@ class Report:
 
 
 def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: bool = False, jobs: int | None = None,
-          cache: ResultCache | None = None, triton_cache_dir: str | None = None,
+          cache: ResultCache | None = None,
           progress: Callable[[Progress], None] | None = None) -> Report:
     """Verdicts for every kernel x config x specialization x GPU (see :mod:`smemguard.preflight`)."""
     started = time.perf_counter()
@@ -277,7 +342,7 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                 groups.append(_Group(group_items, arch_limits))
 
     compiles = 0
-    compiler = Compiler(jobs, triton_cache_dir)
+    compiler = Compiler(jobs)
     try:
         in_flight: dict[concurrent.futures.Future, Item] = {}
         planned = 0
@@ -331,6 +396,9 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
 def _verdict(item: Item, limit: int) -> Verdict:
     if item.problem is not None:
         return Verdict(ERROR, error=item.problem)
+    if item.result is None and item.sibling is not None:
+        shared = item.sibling.result["shared"]
+        return Verdict(FITS if shared <= limit else OVERFLOWS, ESTIMATED, low=shared, high=shared)
     if item.result is not None:
         shared = item.result["shared"]
         if shared is None:

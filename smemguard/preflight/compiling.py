@@ -231,27 +231,46 @@ def cache_key(jit, request: CompileRequest) -> str:
 def compile_request(jit, request: CompileRequest) -> dict:
     """Compile for the request's arch; the measured result (``shared`` or ``error``). Never raises
     for a config that does not compile: that is a verdict."""
-    import triton
-
     started = time.perf_counter()
     try:
-        # Triton prints a ptxas reproducer on stdout when ptxas fails; stdout may be --json.
+        # A failing pass may print a reproducer on stdout; stdout may be --json.
         with _quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
-            kernel = triton.compile(_source(jit, request), target=gpu_target(request.arch),
-                                    options=dict(request.options))
-        return {"shared": int(kernel.metadata.shared), "error": None, "seconds": time.perf_counter() - started}
-    except Exception as error:  # CompilationError, PTXASError, assertion in a pass: the config does not compile
+            shared = shared_memory(_source(jit, request), request.arch, request.options)
+        return {"shared": shared, "error": None, "seconds": time.perf_counter() - started}
+    except Exception as error:  # CompilationError, assertion in a pass: the config does not compile
         return {"shared": None, "error": introspect.error_summary(error), "seconds": time.perf_counter() - started}
 
 
+def shared_memory(source, arch: int | str, options: dict) -> int:
+    """The shared memory (LDS on AMD) Triton allocates for ``source``, from its own stages run as
+    ``triton.compile`` runs them, up to the one that allocates it (LLVM IR), which sets the
+    ``metadata.shared`` a launch checks. PTX, ptxas and the AMD code object are not made: they are
+    about two thirds of a large config's compile and change no byte of it; a config only ptxas
+    would reject is not seen. Writes nothing to Triton's cache."""
+    import inspect
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars, ir
+
+    backend, target = _backend(arch), gpu_target(arch)
+    options = backend.parse_options(dict(options, **source.parse_options()))
+    stages: dict = {}
+    backend.add_stages(stages, options, source.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    lowering = (options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    if "target" in inspect.signature(source.make_ir).parameters:  # Triton 3.5 and later
+        lowering = (target, *lowering)
+    module = source.make_ir(*lowering)
+    metadata = {"hash": "", "target": target, **options.__dict__, **get_cache_invalidating_env_vars()}
+    for stage in list(stages.values())[list(stages).index(source.ext):]:
+        module = stage(module, metadata)
+        if "shared" in metadata:
+            return int(metadata["shared"])
+    raise RuntimeError(f"no stage of Triton {runtime.triton_version()} set metadata.shared")
+
+
 _worker_jits: dict = {}
-
-
-def _worker_init(triton_cache_dir: str | None) -> None:
-    if triton_cache_dir is not None:
-        from triton import knobs
-
-        knobs.cache.dir = triton_cache_dir
 
 
 def _compile_in_worker(request: CompileRequest) -> dict:
@@ -264,17 +283,15 @@ class Compiler:
     """Compiles in a pool of spawned processes (a fresh Triton each) when there are several jobs and
     the kernel can be imported there; here otherwise."""
 
-    def __init__(self, jobs: int, triton_cache_dir: str | None) -> None:
+    def __init__(self, jobs: int) -> None:
         self._jobs = jobs
-        self._triton_cache_dir = triton_cache_dir
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def submit(self, jit, request: CompileRequest) -> concurrent.futures.Future:
         if self._jobs > 1 and request.locator is not None and _picklable(request):
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self._jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                    initargs=(self._triton_cache_dir,))
+                    self._jobs, mp_context=multiprocessing.get_context("spawn"))
             try:
                 return self._pool.submit(_compile_in_worker, request)
             except BrokenProcessPool:
@@ -282,25 +299,12 @@ class Compiler:
                 self._pool = None
                 return self.submit(jit, request)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        with _triton_cache(self._triton_cache_dir):
-            done.set_result(compile_request(jit, request))
+        done.set_result(compile_request(jit, request))
         return done
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
-
-
-@contextlib.contextmanager
-def _triton_cache(directory: str | None):
-    if directory is None:
-        yield
-        return
-    from triton import knobs
-
-    with knobs.cache.scope():
-        knobs.cache.dir = directory
-        yield
 
 
 def _picklable(request: CompileRequest) -> bool:

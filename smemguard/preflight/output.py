@@ -100,7 +100,8 @@ def format_summary(report: Report) -> str:
     counts = report.counts()
     lines.append("")
     lines.append(f"verdicts: {counts[MEASURED]} measured by compiling now, {counts[CACHED]} measured earlier (cache), "
-                 f"{counts[ESTIMATED]} estimated (~, calibrated bound at least {ESTIMATE_MARGIN:.0%} from the limit); "
+                 f"{counts[ESTIMATED]} estimated (~, calibrated bound at least {ESTIMATE_MARGIN:.0%} from the limit, or "
+                 f"the bytes of the same config at other num_stages where stages change nothing); "
                  f"{report.compiles} compiles in {report.seconds:.1f} s")
     lines.append("cells: required bytes and verdict in the worst specialization ([name] when they differ); "
                  "--json has every one")
