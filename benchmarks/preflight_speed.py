@@ -4,11 +4,10 @@
     python benchmarks/preflight_speed.py --verify        # then compile every config and compare verdicts
     python benchmarks/preflight_speed.py --target smemguard.examples:flaggems_matmul --gpu L4,A100,H100
 
-Cold means an empty smemguard result cache and an empty Triton cache (both temporary
-directories). The run is the library call behind the command, in each kernel's specializations
+Cold means an empty smemguard result cache (a temporary directory; the check writes nothing to
+Triton's cache). The run is the library call behind the command, in each kernel's specializations
 (aligned, misaligned, and the example persistent matmul's N == 1). `--verify` repeats it with
-`--exact` (every config compiled; the Triton cache of the first run is kept, so what it compiled is
-not compiled again: about 2 hours on 2 cores, 10 minutes on 16) and counts the verdicts where the
+`--exact` (every config compiled, into a result cache of its own) and counts the verdicts where the
 estimate and the measurement disagree, which must be zero, and the measurements outside their
 calibrated interval.
 """
