@@ -182,11 +182,17 @@ def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
         item, result = event.item, event.item.result or {}
         outcome = f"{result['shared']} B" if result.get("shared") is not None else "compile error"
         arch = f"sm_{item.arch}" if isinstance(item.arch, int) else item.arch
+        rate = event.done / event.elapsed if event.elapsed > 0 else 0.0
+        left = f", ~{_duration((event.planned - event.done) / rate)} left" if rate and event.done < event.planned else ""
         print(f"smemguard check: [{event.done}/{event.planned}] {arch} {item.kernel.name.rsplit(':', 1)[-1]} "
               f"{item.variant.label()} {item.spec.name}: {outcome} ({result.get('seconds', 0):.1f} s; "
-              f"{event.elapsed:.0f} s elapsed)", file=sys.stderr, flush=True)
+              f"{event.elapsed:.0f} s elapsed, {rate:.1f} compiles/s{left})", file=sys.stderr, flush=True)
 
     return show
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def run_check(args) -> int:

@@ -343,15 +343,15 @@ def decide(launch: Launch, failing, error) -> Decision:
             break
         raced_batches += bool(fitting)
         budget -= len(batch)
-        for (config, base), attempt in zip(batch, _try_configs(launch, [config for config, _ in batch], attempts,
-                                                               measured)):
+        compiled = _try_configs([(config, candidate) for config, _, candidate in batch], attempts, measured)
+        for (config, base, _), attempt in zip(batch, compiled):
             # The order only predicts: a variant that fits may leave a stage to spare. Climb while its own
             # bytes per stage say the next count of the same config may fit too (more stages: usually faster).
             while (attempt.fits and config is not base and config.num_stages + 1 < base.num_stages and budget > 0
                    and _may_take_a_stage_more(attempt, config.num_stages)):
                 budget -= 1
                 more = variant(base, num_stages=config.num_stages + 1)
-                if not _try_configs(launch, [more], attempts, measured)[0].fits:
+                if not _try_configs([(more, with_config(launch, more))], attempts, measured)[0].fits:
                     break
                 config, attempt = more, attempts[-1]
             if attempt.fits:
@@ -377,27 +377,28 @@ def decide(launch: Launch, failing, error) -> Decision:
 
 
 def _next_batch(launch: Launch, candidates: list, fitted_bases: list, measured: _Measured, size: int) -> list:
-    """Take from ``candidates`` the next ``size`` (candidate, base) pairs worth compiling: not a variant
-    of a config that fits, nor of one already in the batch (it may fit yet), not at least as big as a
-    measured overflow, not certainly too big by the calibrated estimate."""
+    """Take from ``candidates`` the next ``size`` (config, base, launch with that config) worth compiling:
+    not a variant of a config that fits, nor of one already in the batch (it may fit yet), not at least
+    as big as a measured overflow, not certainly too big by the calibrated estimate."""
     batch: list = []
     index = 0
     while index < len(candidates) and len(batch) < size:
         config, base = candidates[index]
-        if any(base is chosen for _, chosen in batch):
+        if any(base is chosen for _, chosen, _ in batch):
             index += 1
             continue
         del candidates[index]
         if any(base is fitted for fitted in fitted_bases):
             continue
-        constexprs = _constexprs(with_config(launch, config))
+        candidate = with_config(launch, config)
+        constexprs = _constexprs(candidate)
         if measured.dominated(constexprs, config.num_stages) is not None:
             measured.skipped.append(f"{introspect.config_text(config)}: at least as big as a config measured too big")
         elif (bound := measured.too_big(constexprs, config.num_stages, config.num_warps)) is not None:
             measured.skipped.append(f"{introspect.config_text(config)}: at least {bound} B, one stage of its tiles "
                                     "(calibrated estimate)")
         else:
-            batch.append((config, base))
+            batch.append((config, base, candidate))
     return batch
 
 
@@ -408,15 +409,13 @@ def _may_take_a_stage_more(attempt: Attempt, stages: int) -> bool:
     return stages == 1 or attempt.required * stages <= attempt.limit * (stages - 1)
 
 
-def _try_configs(launch: Launch, configs: list, attempts: list, measured: _Measured) -> list[Attempt]:
-    """Compile ``launch`` with each tuner config (or alternative) of ``configs``, concurrently where
-    Triton allows it; note what each showed."""
-    candidates = [with_config(launch, config) for config in configs]
+def _try_configs(candidates: list, attempts: list, measured: _Measured) -> list[Attempt]:
+    """Compile each (tuner config or alternative, the launch with it) of ``candidates``, concurrently
+    where Triton allows it; note what each showed."""
     started = time.perf_counter()
-    compiled = try_compile_all([(candidate, introspect.config_text(config))
-                                for candidate, config in zip(candidates, configs)])
+    compiled = try_compile_all([(candidate, introspect.config_text(config)) for config, candidate in candidates])
     measured.compile_ms += (time.perf_counter() - started) * 1000
-    for candidate, config, (_, attempt) in zip(candidates, configs, compiled):
+    for (config, candidate), (_, attempt) in zip(candidates, compiled):
         attempts.append(attempt)
         if not attempt.fits and attempt.required is not None:
             measured.overflowing.append((_constexprs(candidate), config.num_stages))
