@@ -3,12 +3,15 @@
 ``fake_gpu("L4")`` installs a small stand-in for Triton's CUDA driver; ``fake_gpu("MI300X")``
 one for its HIP driver. Everything above the driver is Triton's own: ``JITFunction.run``, the
 binder and its specialization (the HIP backend's own, with its buffer-op ``pointer_range``
-attribute), the compile for the chosen arch (sm_89 through ptxas, gfx942 through the AMD LLVM
-backend: both ship in the Triton wheel), the JIT cache, the autotuner, and
+attribute), the compile for the chosen arch (sm_89 to PTX, gfx942 through the AMD LLVM backend to
+its code object: both ship in the Triton wheel), the JIT cache, the autotuner, and
 ``CompiledKernel._init_handles``, which raises a genuine ``OutOfResources`` when the compiled
 kernel's shared memory (LDS on AMD) exceeds the limit, or its warps times the wave size (64 on
 CDNA, 32 on RDNA and NVIDIA) exceed the threads per block. Launches that pass the check are
-recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU.
+recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU. Nor is the
+PTX assembled: ptxas is most of a large kernel's compile (193 of 364 s for vLLM's prefix-prefill
+attention at head size 256 on sm_75), and the shared memory a launch checks is allocated before it;
+the stand-in's cubin is empty, so keep ``cache_dir`` apart from the cache of real compiles.
 
     from smemguard.testing import fake_gpu
 
@@ -214,6 +217,28 @@ def _forget_compiled_kernels() -> None:
             obj.module = None
 
 
+def _no_cubin(ptx: str, metadata: dict) -> bytes:
+    return b""
+
+
+@contextlib.contextmanager
+def _ptx_not_assembled() -> Iterator[None]:
+    """The CUDA backend's stages with an empty cubin in place of ptxas' (the stand-in loads nothing)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    add_stages = CUDABackend.add_stages
+
+    def add_stages_but_ptxas(self, stages, *args, **kwargs):
+        add_stages(self, stages, *args, **kwargs)
+        stages["cubin"] = _no_cubin
+
+    CUDABackend.add_stages = add_stages_but_ptxas
+    try:
+        yield
+    finally:
+        CUDABackend.add_stages = add_stages
+
+
 @contextlib.contextmanager
 def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir: str | None = None,
              max_threads: int = 1024) -> Iterator[FakeGpu]:
@@ -252,6 +277,7 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
             cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="smemguard-triton-"))
         stack.enter_context(knobs.cache.scope())
         knobs.cache.dir = cache_dir
+        stack.enter_context(_ptx_not_assembled())
         driver.set_active(_Driver(device))
         compiler.max_shared_mem.cache_clear()
         _forget_compiled_kernels()

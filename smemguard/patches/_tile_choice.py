@@ -47,17 +47,21 @@ class TileChoice:
     class of a launch of the kernel (None: not a launch this patch knows); ``wrapper_tile(choose,
     shape, learnt)``: the tile the wrapper launches with for a shape class, given vLLM's own choice
     function and the tile learnt for the class (None when none); ``smallest(shape)``: the smallest
-    tile the kernel may take; ``shape_fields``: names of a shape class's values, for records.
+    tile the kernel may take; ``shape_fields``: names of a shape class's values, for records;
+    ``check(module, kernel)`` raises when the module is not laid out as the versions the patch was
+    checked against. Its ``applies``, ``patch``, ``unpatch`` and ``is_patched`` are the patch
+    module's contract (:mod:`smemguard.patches`).
     """
 
     def __init__(self, *, module: str, wrapper: str, choice: str, kernel: str, tile: str,
                  shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
                  launch_shape: Callable[[tuple, dict], tuple | None],
-                 wrapper_tile: Callable[[Callable, tuple, int | None], int], smallest: Callable[[tuple], int]):
+                 wrapper_tile: Callable[[Callable, tuple, int | None], int], smallest: Callable[[tuple], int],
+                 check: Callable[[Any, Any], None]):
         self.module, self.wrapper, self.choice, self.kernel, self.tile = module, wrapper, choice, kernel, tile
         self.shape_fields = shape_fields
         self._choice_shape, self._launch_shape = choice_shape, launch_shape
-        self._wrapper_tile, self._smallest = wrapper_tile, smallest
+        self._wrapper_tile, self._smallest, self._check = wrapper_tile, smallest, check
         self._lock = threading.Lock()
         self._tiles: dict[tuple, int] = {}  # (device, limit, *shape class) -> the tile that fits
         self._log_path = None
@@ -66,9 +70,12 @@ class TileChoice:
 
     # -- the patch contract ----------------------------------------------------------------------
 
-    def patch(self, context, check: Callable[[Any, Any], None]) -> None:
-        """Layer the wrapper, here and in the modules that imported it by name; ``check(module,
-        kernel)`` raises when the module is not laid out as the versions the patch was checked against."""
+    @staticmethod
+    def applies(settings) -> bool:
+        return True
+
+    def patch(self, context) -> None:
+        """Layer the wrapper, here and in the modules that imported it by name."""
         from triton.runtime.errors import OutOfResources
 
         self._log_path, self._out_of_resources = context.settings.log_path, OutOfResources
@@ -82,7 +89,7 @@ class TileChoice:
             log.debug("smemguard: %s.%s is not a Triton kernel; %s left as it is", self.module, self.kernel,
                       self.wrapper)
             return
-        check(module, kernel)
+        self._check(module, kernel)
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
         self._add_layer(self.wrapper, self._guarded(getattr(module, self.wrapper)))
 

@@ -80,31 +80,6 @@ def _wrapper_tile(choose, shape: tuple, learnt: int | None) -> int:
     return min(block, _WIDE_HEAD_BLOCK) if head_size >= _WIDE_HEAD else block
 
 
-#: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-CHOICE = TileChoice(
-    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="BLOCK_M",
-    shape_fields=("dtype", "head_size"), choice_shape=_choice_shape, launch_shape=_launch_shape,
-    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_BLOCK)
-
-
-def applies(settings) -> bool:
-    return True
-
-
-def patch(context) -> None:
-    """Layer ``context_attention_fwd`` in its module and in the modules that imported it by name."""
-    CHOICE.patch(context, _check)
-
-
-def unpatch() -> None:
-    """Remove both layers, here and in the callers, and forget the tiles learnt."""
-    CHOICE.unpatch()
-
-
-def is_patched() -> bool:
-    return CHOICE.is_patched()
-
-
 def _check(module, kernel) -> None:
     """Raise when the module is not laid out as the versions this was checked against."""
     choice, wrapper = getattr(module, TILE_CHOICE, None), getattr(module, WRAPPER, None)
@@ -117,3 +92,11 @@ def _check(module, kernel) -> None:
     missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
     if missing:
         raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
+
+
+#: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
+CHOICE = TileChoice(
+    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="BLOCK_M",
+    shape_fields=("dtype", "head_size"), choice_shape=_choice_shape, launch_shape=_launch_shape,
+    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_BLOCK, check=_check)
+applies, patch, unpatch, is_patched = CHOICE.applies, CHOICE.patch, CHOICE.unpatch, CHOICE.is_patched

@@ -85,31 +85,6 @@ def _wrapper_tile(choose, shape: tuple, learnt: int | None) -> int:
     return tile if learnt is None or learnt >= tile else learnt
 
 
-#: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-CHOICE = TileChoice(
-    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="TILE_SIZE",
-    shape_fields=_TILE_CHOICE_PARAMETERS, choice_shape=_choice_shape, launch_shape=_launch_shape,
-    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE))
-
-
-def applies(settings) -> bool:
-    return True
-
-
-def patch(context) -> None:
-    """Layer ``unified_attention`` in its module and in the modules that imported it by name."""
-    CHOICE.patch(context, _check)
-
-
-def unpatch() -> None:
-    """Remove both layers, here and in the callers, and forget the tiles learnt."""
-    CHOICE.unpatch()
-
-
-def is_patched() -> bool:
-    return CHOICE.is_patched()
-
-
 def _check(module, kernel) -> None:
     """Raise when the module is not laid out as the versions this was checked against."""
     choice = getattr(module, TILE_CHOICE, None)
@@ -122,3 +97,11 @@ def _check(module, kernel) -> None:
     missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
     if missing:
         raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
+
+
+#: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
+CHOICE = TileChoice(
+    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="TILE_SIZE",
+    shape_fields=_TILE_CHOICE_PARAMETERS, choice_shape=_choice_shape, launch_shape=_launch_shape,
+    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE), check=_check)
+applies, patch, unpatch, is_patched = CHOICE.applies, CHOICE.patch, CHOICE.unpatch, CHOICE.is_patched
