@@ -115,26 +115,6 @@ def test_futile_stage_reduction_stops_early_and_the_fallback_runs(install_guard,
     assert [stages for stages, _ in compiles] == [3, 2], "num_stages=1 is never compiled"
 
 
-def test_observe_mode_on_an_mi300x_changes_nothing_but_writes_the_record(install_guard, incident_log, triton_cache,
-                                                                          compiles):
-    aligned, misaligned = aligned_and_misaligned()
-    b, c = operands()
-    tuned = autotuned([config(128, 128, 64, 4), config(64, 64, 64, 4)])
-    install_guard(mode="observe")
-    with fake_gpu("MI300X", cache_dir=triton_cache) as gpu:
-        tuned[tiled_grid(N, N)](*matmul_args(misaligned, b, c))
-        launches, cached = len(gpu.launches), dict(tuned.cache)
-        compiles.clear()
-        with pytest.raises(OutOfResources) as caught:
-            tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
-        assert len(gpu.launches) == launches and tuned.cache == cached
-        assert compiles == [(4, 128)], "only the launch's own compile"
-    assert (caught.value.required, caught.value.limit) == (98304, 65536)
-    assert not getattr(caught.value, "__notes__", None)
-    [record] = records(incident_log)
-    assert record["action"] == "observed" and record["device"]["arch"] == "gfx942"
-
-
 def test_candidates_keep_the_configs_amd_options(install_guard, incident_log, triton_cache):
     aligned, _ = aligned_and_misaligned()
     b, c = operands()

@@ -139,18 +139,25 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
-def _matmul_taking_its_options(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               num_stages: tl.constexpr, num_warps: tl.constexpr):
-    """Liger-Kernel's convention: the launch options are parameters too, unused in the body."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _tile_product(a_ptr, b_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, rm, rn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         a = tl.load(a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak)
         b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn)
         acc += tl.dot(a, b)
+    return acc
+
+
+def _matmul_taking_its_options(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                               stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               num_stages: tl.constexpr, num_warps: tl.constexpr):
+    """Liger-Kernel's convention: the launch options are parameters too, unused in the body."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(a_ptr, b_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, rm, rn, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(tl.float16))
 
 
@@ -160,12 +167,7 @@ def _matmul_computing_with_its_stages(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, s
     """The same, but the result depends on the parameter named num_stages."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak)
-        b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn)
-        acc += tl.dot(a, b)
+    acc = _tile_product(a_ptr, b_ptr, K, stride_am, stride_ak, stride_bk, stride_bn, rm, rn, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, (acc * num_stages).to(tl.float16))
 
 

@@ -227,22 +227,28 @@ def test_a_failing_fallback_reraises_the_original_error(install_guard, triton_ca
     assert "fallback" in caught.value.__notes__[0] and "no cuBLAS here" in caught.value.__notes__[0]
 
 
-def test_observe_mode_changes_nothing_but_writes_the_record(install_guard, incident_log, triton_cache, compiles):
+@pytest.mark.parametrize("gpu, max_shared, big, required, arch", [
+    ("L4", 40000, 64, 49152, 89),
+    ("MI300X", None, 128, 98304, "gfx942"),
+])
+def test_observe_mode_changes_nothing_but_writes_the_record(gpu, max_shared, big, required, arch, install_guard,
+                                                            incident_log, triton_cache, compiles):
     aligned, misaligned = aligned_and_misaligned()
     b, c = operands()
-    tuned = autotuned([config(64, 64, 64, 4), config(32, 32, 32, 4)])
+    tuned = autotuned([config(big, big, 64, 4), config(big // 2, big // 2, big // 2, 4)])
     install_guard(mode="observe")
-    with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
+    with fake_gpu(gpu, max_shared=max_shared, cache_dir=triton_cache) as device:
         tuned[tiled_grid(N, N)](*matmul_args(misaligned, b, c))
-        launches, cached = len(gpu.launches), dict(tuned.cache)
+        launches, cached = len(device.launches), dict(tuned.cache)
         compiles.clear()
         with pytest.raises(OutOfResources) as caught:
             tuned[tiled_grid(N, N)](*matmul_args(aligned, b, c))
-        assert len(gpu.launches) == launches and tuned.cache == cached
-        assert compiles == [(4, 64)], "only the launch's own compile"
+        assert len(device.launches) == launches and tuned.cache == cached
+        assert compiles == [(4, big)], "only the launch's own compile"
+    assert (caught.value.required, caught.value.limit) == (required, device.max_shared)
     assert not getattr(caught.value, "__notes__", None)
     [record] = records(incident_log)
-    assert record["action"] == "observed" and record["required"] == 49152
+    assert record["action"] == "observed" and record["required"] == required and record["device"]["arch"] == arch
 
 
 def test_heuristics_layer_is_followed(install_guard, incident_log, triton_cache):
