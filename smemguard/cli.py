@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import gpus, untrusted
+from . import gpus, runtime, untrusted
 from ._version import __version__
 
 DESCRIPTION = """\
@@ -155,6 +155,11 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
 
 
 def _demo(args) -> int:
+    with runtime.quiet_triton():
+        return _run_demo(args)
+
+
+def _run_demo(args) -> int:
     gpu = gpus.lookup(args.gpu)
     if gpu is None:
         print(f"smemguard demo: {args.gpu!r} is not a GPU from 'smemguard gpus'; one of: "

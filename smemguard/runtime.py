@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import threading
+import warnings
 import weakref
 from typing import Iterator
 
@@ -24,6 +25,15 @@ _emulated_limit: int | None = None
 _timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _timings_lock = threading.Lock()
 _benchmarking = threading.local()
+
+
+@contextlib.contextmanager
+def quiet_triton() -> Iterator[None]:
+    """Triton 3.9 warns once per process that an fp-fusion default will change: not ours to show
+    where smemguard's own commands compile."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        yield
 
 
 def triton_version() -> str:

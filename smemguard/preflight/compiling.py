@@ -11,7 +11,6 @@ import multiprocessing
 import re
 import subprocess
 import time
-import warnings
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -153,14 +152,6 @@ def _source(jit, request: CompileRequest):
     return ASTSource(jit, dict(request.signature), dict(request.constants), _attrs(jit, request))
 
 
-@contextlib.contextmanager
-def _quiet_triton():
-    """Triton 3.9 warns once per process that an fp-fusion default will change; not ours to show."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
-        yield
-
-
 def gpu_target(arch: int | str):
     """Triton's ``GPUTarget`` for a target arch: ``("cuda", 89, 32)``, ``("hip", "gfx942", 64)``."""
     from triton.backends.compiler import GPUTarget
@@ -221,7 +212,7 @@ def cache_key(jit, request: CompileRequest) -> str:
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
     backend = _backend(request.arch)
-    with _quiet_triton():
+    with runtime.quiet_triton():
         options = backend.parse_options(dict(request.options))
     env = sorted(get_cache_invalidating_env_vars().items())
     triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
@@ -234,7 +225,7 @@ def compile_request(jit, request: CompileRequest) -> dict:
     started = time.perf_counter()
     try:
         # A failing pass may print a reproducer on stdout; stdout may be --json.
-        with _quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
+        with runtime.quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
             shared = shared_memory(_source(jit, request), request.arch, request.options)
         return {"shared": shared, "error": None, "seconds": time.perf_counter() - started}
     except Exception as error:  # CompilationError, assertion in a pass: the config does not compile
