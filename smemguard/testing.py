@@ -10,8 +10,9 @@ kernel's shared memory (LDS on AMD) exceeds the limit, or its warps times the wa
 CDNA, 32 on RDNA and NVIDIA) exceed the threads per block. Launches that pass the check are
 recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU. Nor is the
 PTX assembled: ptxas is most of a large kernel's compile (193 of 364 s for vLLM's prefix-prefill
-attention at head size 256 on sm_75), and the shared memory a launch checks is allocated before it;
-the stand-in's cubin is empty, so keep ``cache_dir`` apart from the cache of real compiles.
+attention at head size 256 on sm_75), and the shared memory a launch checks is allocated before it.
+The stand-in's cubin is empty, and filed in Triton's cache under a key of its own: it never answers
+a real compile that shares ``cache_dir``.
 
     from smemguard.testing import fake_gpu
 
@@ -221,22 +222,28 @@ def _no_cubin(ptx: str, metadata: dict) -> bytes:
     return b""
 
 
+#: What the backend's part of Triton's compile-cache key gains while the cubin is left empty.
+STAND_IN_CACHE_MARK = "smemguard-fake-gpu-no-cubin"
+
+
 @contextlib.contextmanager
 def _ptx_not_assembled() -> Iterator[None]:
-    """The CUDA backend's stages with an empty cubin in place of ptxas' (the stand-in loads nothing)."""
+    """The CUDA backend's stages with an empty cubin in place of ptxas' (the stand-in loads nothing),
+    cached apart from real compiles."""
     from triton.backends.nvidia.compiler import CUDABackend
 
-    add_stages = CUDABackend.add_stages
+    add_stages, backend_hash = CUDABackend.add_stages, CUDABackend.hash
 
     def add_stages_but_ptxas(self, stages, *args, **kwargs):
         add_stages(self, stages, *args, **kwargs)
         stages["cubin"] = _no_cubin
 
     CUDABackend.add_stages = add_stages_but_ptxas
+    CUDABackend.hash = lambda self: f"{backend_hash(self)}-{STAND_IN_CACHE_MARK}"
     try:
         yield
     finally:
-        CUDABackend.add_stages = add_stages
+        CUDABackend.add_stages, CUDABackend.hash = add_stages, backend_hash
 
 
 @contextlib.contextmanager

@@ -2,6 +2,10 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
 from triton.runtime.errors import OutOfResources
 
 from smemguard.testing import fake_gpu
@@ -72,3 +76,22 @@ def test_unknown_gpu_name():
     with pytest.raises(ValueError, match="GPU name from smemguard.gpus"):
         with fake_gpu("L5"):
             pass
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def test_the_stand_in_skips_ptxas_and_its_empty_cubin_never_answers_a_real_compile(tmp_path):
+    """ptxas is not run for the stand-in (its cubin is empty), and Triton's cache files that apart:
+    a real compile of the same kernel for the same arch, sharing the cache, still gets a real cubin."""
+    x = torch.empty(256)
+    with fake_gpu("L4", cache_dir=str(tmp_path)) as gpu:
+        stand_in = _copy[(1,)](x, x, 256, BLOCK=256)
+    assert stand_in.asm["cubin"] == b"" and "ptx" in stand_in.asm and gpu.launches
+    with knobs.cache.scope():
+        knobs.cache.dir = str(tmp_path)
+        real = triton.compile(stand_in.src, target=GPUTarget("cuda", 89, 32))  # what the launch compiled
+    assert real.asm["cubin"].startswith(b"\x7fELF") and real.hash != stand_in.hash
