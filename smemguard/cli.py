@@ -446,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "bytes, a config tuned on a bigger GPU is launched instead: tuned on an "
                                            "A100 for the V100 and the T4 (no multi-buffered loads), on an H100 "
                                            "for the MI350X/MI355X and the RX7900XTX/W7900 (their misaligned loads "
-                                           "are pipelined too). Triton compiles for real (NVIDIA through ptxas, "
-                                           "AMD through its HIP backend); the stand-in GPU executes nothing.",
+                                           "are pipelined too). Triton compiles for real (NVIDIA to PTX, AMD "
+                                           "through its HIP backend); the stand-in GPU executes nothing.",
                                epilog=DEMO_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--gpu", default="L4", help="GPU to stand in for (default: L4; any GPU of 'smemguard gpus', "
                                                   "NVIDIA or AMD)")
