@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
+import inspect
 import io
 import multiprocessing
 import re
@@ -238,8 +240,6 @@ def shared_memory(source, arch: int | str, options: dict) -> int:
     ``metadata.shared`` a launch checks. PTX, ptxas and the AMD code object are not made: they are
     about two thirds of a large config's compile and change no byte of it; a config only ptxas
     would reject is not seen. Writes nothing to Triton's cache."""
-    import inspect
-
     from triton._C.libtriton import get_cache_invalidating_env_vars, ir
 
     backend, target = _backend(arch), gpu_target(arch)
@@ -250,7 +250,7 @@ def shared_memory(source, arch: int | str, options: dict) -> int:
     ir.load_dialects(context)
     backend.load_dialects(context)
     lowering = (options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-    if "target" in inspect.signature(source.make_ir).parameters:  # Triton 3.5 and later
+    if _make_ir_takes_target(type(source)):
         lowering = (target, *lowering)
     module = source.make_ir(*lowering)
     metadata = {"hash": "", "target": target, **options.__dict__, **get_cache_invalidating_env_vars()}
@@ -259,6 +259,12 @@ def shared_memory(source, arch: int | str, options: dict) -> int:
         if "shared" in metadata:
             return int(metadata["shared"])
     raise RuntimeError(f"no stage of Triton {runtime.triton_version()} set metadata.shared")
+
+
+@functools.cache
+def _make_ir_takes_target(source_type) -> bool:
+    """Triton 3.5 and later pass the target to ``make_ir`` first."""
+    return "target" in inspect.signature(source_type.make_ir).parameters
 
 
 _worker_jits: dict = {}
