@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import incidents, introspect, ladder, registry, runtime, untrusted
+from .decision import CONFIG_CHANGED, Decision, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .launch import jit_keys_of, try_compile, with_config
 from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
@@ -67,8 +68,8 @@ def validate(data: Any) -> dict:
 
 #: The actions recovery stores in each table (recovery.py's names): option-only changes of one
 #: compiled variant; another config, the fallback, or "nothing fits" for a launch.
-ACTIONS = {"compile": (ladder.STAGES_REDUCED, ladder.WARPS_REDUCED),
-           "launch": (ladder.CONFIG_CHANGED, ladder.FALLBACK, ladder.RERAISED)}
+ACTIONS = {"compile": (STAGES_REDUCED, WARPS_REDUCED),
+           "launch": (CONFIG_CHANGED, FALLBACK, RERAISED)}
 
 _OPTIONS = Expect("an object of num_stages and num_warps values (positive integers)", lambda value: (
     isinstance(value, dict) and len(value) > 0
@@ -76,9 +77,9 @@ _OPTIONS = Expect("an object of num_stages and num_warps values (positive intege
 _CONFIG = {"kwargs": OBJECT, "num_warps": integer(1), "num_stages": integer(0), "num_ctas": integer(1),
            "maxnreg": integer(1).or_null()}
 #: Per action, what recovery reads from the entry to apply it.
-_NEEDS = {ladder.STAGES_REDUCED: {"options": _OPTIONS}, ladder.WARPS_REDUCED: {"options": _OPTIONS},
-          ladder.CONFIG_CHANGED: {"config": OBJECT}, ladder.FALLBACK: {"fallback": NAME},
-          ladder.RERAISED: {"reason": TEXT}}
+_NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPTIONS},
+          CONFIG_CHANGED: {"config": OBJECT}, FALLBACK: {"fallback": NAME},
+          RERAISED: {"reason": TEXT}}
 
 
 def entry_problems(kind: str, entry: Any) -> list[str]:
@@ -337,26 +338,26 @@ def _from_entry(launch, kind: str, entry: dict):
     if kind == "compile":
         kernel, attempt = try_compile(launch, "remembered", **entry["options"])
         if attempt.fits:
-            return ladder.Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
+            return Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
                                    options=dict(entry["options"]), remembered=True)
         return None
     action = entry["action"]
-    if action == ladder.CONFIG_CHANGED:
+    if action == CONFIG_CHANGED:
         config = _config_from_entry(launch, entry["config"])
         if config is None:
             return None
         _, attempt = try_compile(with_config(launch, config), introspect.config_text(config))
         if attempt.fits:
             ladder.adopt(launch, config)
-            return ladder.Decision(ladder.CONFIG_CHANGED, (attempt,), config=config, final=attempt.config,
+            return Decision(CONFIG_CHANGED, (attempt,), config=config, final=attempt.config,
                                    remembered=True)
         return None
     fallback = registry.fallback_for(launch.jit)
-    if action == ladder.FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
-        return ladder.Decision(ladder.FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}",
+    if action == FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
+        return Decision(FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}",
                                remembered=True)
-    if action == ladder.RERAISED and fallback is None:
-        return ladder.Decision(ladder.RERAISED, (), reason=entry["reason"], remembered=True)
+    if action == RERAISED and fallback is None:
+        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)
     return None
 
 

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import introspect, ladder, metrics, runtime
+from . import introspect, metrics, runtime
+from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +222,12 @@ def attempt_records(attempts) -> list[dict]:
 def action_text(decision, failing_config: str = "") -> str:
     final = introspect.changes(failing_config, decision.final or "") or decision.final
     return ("remembered: " if decision.remembered else "") + {
-        ladder.STAGES_REDUCED: f"recovered with {final}",
-        ladder.WARPS_REDUCED: f"recovered with {final}",
-        ladder.CONFIG_CHANGED: f"switched to config {final}",
-        ladder.FALLBACK: f"ran {decision.final}",
-        ladder.OBSERVED: "observed only (SMEMGUARD=observe)",
-        ladder.RERAISED: "re-raised: " + decision.reason,
+        STAGES_REDUCED: f"recovered with {final}",
+        WARPS_REDUCED: f"recovered with {final}",
+        CONFIG_CHANGED: f"switched to config {final}",
+        FALLBACK: f"ran {decision.final}",
+        OBSERVED: "observed only (SMEMGUARD=observe)",
+        RERAISED: "re-raised: " + decision.reason,
     }[decision.action]
 
 

@@ -37,9 +37,9 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
 
 from . import estimate, introspect, registry, runtime
+from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 
 log = logging.getLogger(__name__)
@@ -56,31 +56,6 @@ RACE = 3
 #: Batches of candidates compiled only to find rivals for a candidate that already fits: racing is
 #: worth one concurrent batch, not a search through every config that overflows.
 RACE_BATCHES = 1
-
-STAGES_REDUCED = "stages_reduced"
-WARPS_REDUCED = "warps_reduced"
-CONFIG_CHANGED = "config_changed"
-FALLBACK = "fallback"
-RERAISED = "reraised"
-OBSERVED = "observed"
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: str
-    attempts: tuple[Attempt, ...]
-    config: Any = None  # the tuner config chosen (CONFIG_CHANGED)
-    fallback: Callable[..., Any] | None = None
-    final: str | None = None  # the config that runs now
-    record: str | None = None  # where the incident record went
-    reason: str = ""  # why nothing else was possible (RERAISED)
-    replacement: Any = None  # the compiled kernel that runs instead (STAGES_REDUCED, WARPS_REDUCED)
-    options: dict | None = None  # the option change that made it ({"num_stages": 3})
-    remembered: bool = False  # taken from the decision cache rather than by trying candidates
-    timings: dict | None = None  # median ms of each fitting candidate timed before choosing
-    skipped: tuple[str, ...] = ()  # candidates not compiled: measurements or the estimate showed they cannot fit
-    compile_ms: float = 0.0  # wall-clock time spent compiling candidates (concurrent compiles counted once)
-
 
 def _is_tile(name: str, value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and ("BLOCK" in name.upper() or "TILE" in name.upper())

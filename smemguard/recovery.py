@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from . import decisions, incidents, introspect, ladder, registry, runtime
-from .ladder import Decision
+from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,12 @@ def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
 
 
 def _apply(decision: Decision, launch: Launch, failing, error):
-    if decision.action in (ladder.STAGES_REDUCED, ladder.WARPS_REDUCED):
+    if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
         replace_in_jit_cache(launch, failing, decision.replacement)
         return launch.relaunch()
-    if decision.action == ladder.CONFIG_CHANGED:
+    if decision.action == CONFIG_CHANGED:
         return with_config(launch, decision.config).relaunch()
-    if decision.action == ladder.FALLBACK:
+    if decision.action == FALLBACK:
         try:
             decision.fallback(**launch.named_args())
         except Exception as fallback_error:
@@ -115,7 +115,7 @@ def handle_warmup(launched, grid, args, kwargs, compiled, settings):
                 decision = _decide(launch, compiled, error, settings)
                 case.decision = incidents.record_launch(launch, launched, compiled, error, decision, started,
                                                         settings.log_path, described, phase="warmup")
-        if case.decision.action in (ladder.STAGES_REDUCED, ladder.WARPS_REDUCED):
+        if case.decision.action in (STAGES_REDUCED, WARPS_REDUCED):
             replace_in_jit_cache(launch, compiled, case.decision.replacement)
             return case.decision.replacement
     except Exception:
@@ -143,7 +143,7 @@ def handle(launched, grid, args, kwargs, error, settings):
                             "launch of %s; re-raising the original error", _layer_name(launched), exc_info=True)
         raise error
     if launch is None:
-        action = ladder.OBSERVED if settings.observe_only else ladder.RERAISED
+        action = OBSERVED if settings.observe_only else RERAISED
         decision = incidents.record_launch(None, launched, None, error, Decision(action, (), reason=(
             f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run launches "
             "exactly what Autotuner.run does: it may launch more than one kernel, so it is not retried")), started,
@@ -153,7 +153,7 @@ def handle(launched, grid, args, kwargs, error, settings):
         raise error
 
     if settings.observe_only:
-        incidents.record_launch(launch, launched, failing, error, Decision(ladder.OBSERVED, ()), started,
+        incidents.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started,
                                 settings.log_path)
         raise error
 

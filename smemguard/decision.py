@@ -1,0 +1,38 @@
+"""What recovery decided for one failing launch: the :class:`Decision` and its actions.
+
+A small module of its own because the ladder (which takes decisions), the store (which keeps them
+across processes), the incident records (which describe them) and recovery (which applies them)
+all read it, and none of them should have to import another's machinery to do so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+STAGES_REDUCED = "stages_reduced"
+WARPS_REDUCED = "warps_reduced"
+CONFIG_CHANGED = "config_changed"
+FALLBACK = "fallback"
+RERAISED = "reraised"
+OBSERVED = "observed"
+
+#: Actions applied by putting the replacement into Triton's JIT cache: same tiles, other options.
+OPTION_ONLY = (STAGES_REDUCED, WARPS_REDUCED)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    attempts: tuple  # smemguard.launch.Attempt, the failing launch first
+    config: Any = None  # the tuner config chosen (CONFIG_CHANGED)
+    fallback: Callable[..., Any] | None = None
+    final: str | None = None  # the config that runs now
+    record: str | None = None  # where the incident record went
+    reason: str = ""  # why nothing else was possible (RERAISED)
+    replacement: Any = None  # the compiled kernel that runs instead (STAGES_REDUCED, WARPS_REDUCED)
+    options: dict | None = None  # the option change that made it ({"num_stages": 3})
+    remembered: bool = False  # taken from the decision cache rather than by trying candidates
+    timings: dict | None = None  # median ms of each fitting candidate timed before choosing
+    skipped: tuple[str, ...] = ()  # candidates not compiled: measurements or the estimate showed they cannot fit
+    compile_ms: float = 0.0  # wall-clock time spent compiling candidates (concurrent compiles counted once)
