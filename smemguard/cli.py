@@ -513,9 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _report_settings(settings) -> bool:
     """Print each settings problem as install() logs it; False when strict mode stops here."""
-    for problem in settings.problems:
+    from .guard import settings_problems
+
+    problems = settings_problems(settings)
+    for problem in problems:
         print(f"smemguard: {untrusted.printable(problem)}", file=sys.stderr)
-    if settings.problems and settings.mode == "strict":
+    if problems and settings.mode == "strict":
         print("smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above", file=sys.stderr)
         return False
     return True

@@ -36,3 +36,4 @@ class Decision:
     timings: dict | None = None  # median ms of each fitting candidate timed before choosing
     skipped: tuple[str, ...] = ()  # candidates not compiled: measurements or the estimate showed they cannot fit
     compile_ms: float = 0.0  # wall-clock time spent compiling candidates (concurrent compiles counted once)
+    internal_steps: tuple[str, ...] = ()  # smemguard's own steps that failed while handling it (its bugs)

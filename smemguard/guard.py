@@ -32,13 +32,14 @@ _reported_problems: set[str] = set()
 
 
 def _wanted(module, settings: Settings) -> bool:
-    return module.applies(settings) and (module.OBSERVE_SAFE or not settings.observe_only)
+    return (module.__name__.rsplit(".", 1)[-1] not in settings.disabled and module.applies(settings)
+            and (module.OBSERVE_SAFE or not settings.observe_only))
 
 
 def _context(settings: Settings):
     from .patches import PatchContext
 
-    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup)
+    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup, _on_inductor_overflow)
 
 
 def _patch_library(module, reason: str) -> None:
@@ -106,6 +107,23 @@ def _on_warmup(kernel, grid, args, kwargs, compiled):
     return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, settings)
 
 
+def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
+    """True when variants that fit were loaded; False when none fits (or ``error`` is not an overflow);
+    None when smemguard has no answer (uninstalled, or its own error). Never raises."""
+    from . import inductor
+
+    settings = _active
+    if settings is None:
+        return None
+    try:
+        return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs, settings)
+    except Exception:
+        incidents.warn_once(("inductor", "internal"), "smemguard: internal error while recovering a torch.compile "
+                            "kernel; Inductor's own error is raised (smemguard's bug: please report it)",
+                            exc_info=True)
+        return None
+
+
 def _on_out_of_resources(kernel, grid, args, kwargs, error):
     from . import recovery
 
@@ -167,13 +185,26 @@ def _on_triton_imported(module) -> None:
             log.warning("smemguard: install after 'import triton' failed; kernels run unguarded", exc_info=True)
 
 
+def settings_problems(settings: Settings) -> list[str]:
+    """Every problem line of ``settings``, with the names in SMEMGUARD_DISABLE that are no patch module."""
+    from .patches import MODULES
+
+    return [*settings.problems, *settings_module.unknown_patches(settings, MODULES)]
+
+
 def _report(settings: Settings) -> None:
-    new = [p for p in settings.problems if p not in _reported_problems]
+    from .patches import MODULES
+
+    problems = settings_problems(settings)
+    new = [p for p in problems if p not in _reported_problems]
     _reported_problems.update(new)
-    if settings.mode == "strict" and settings.problems:
-        raise SettingsError("smemguard: " + " ".join(settings.problems))
+    if settings.mode == "strict" and problems:
+        raise SettingsError("smemguard: " + " ".join(problems))
     for problem in new:
         log.warning("smemguard: %s", problem)
+    off = [name for name in settings.disabled if name in MODULES]
+    if off and settings.enabled:
+        log.info("smemguard: %s left off by %s; their targets are untouched", ", ".join(off), settings_module.DISABLE)
 
 
 def install(settings: Settings | None = None) -> bool:

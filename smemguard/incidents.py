@@ -39,6 +39,14 @@ def new_record(kernel: str) -> dict:
             "rank": rank(), "kernel": kernel}
 
 
+def overflow_fields(device: int, resource: str, required, limit_hit) -> dict:
+    """The fields every record of an overflow carries after :func:`new_record`'s: Triton, the device, the
+    limits (the device's own and the emulated one), and what did not fit."""
+    return {"triton": runtime.triton_version(), "device": runtime.device_description(device),
+            "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
+            "resource": resource, "required": required, "limit_hit": limit_hit}
+
+
 def _json_default(value):
     return str(value)
 
@@ -166,17 +174,13 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         **new_record(kernel),
         "launched_as": type(launched).__name__,
         "phase": phase,
-        "triton": runtime.triton_version(),
-        "device": runtime.device_description(device),
-        "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
-        "resource": error.name,
-        "required": error.required,
-        "limit_hit": error.limit,
+        **overflow_fields(device, error.name, error.required, error.limit),
         "action": decision.action,
         "final": decision.final,
         "reason": decision.reason or None,
         "attempts": attempt_records(decision.attempts),
-        "internal_errors": sum(attempt.internal_error for attempt in decision.attempts),
+        "internal_errors": sum(attempt.internal_error for attempt in decision.attempts) + len(decision.internal_steps),
+        "internal_steps": list(decision.internal_steps),
         "compiles": sum(attempt.compile_ms is not None for attempt in decision.attempts),
         # Wall-clock time: compiles that ran concurrently are counted once.
         "compile_ms": decision.compile_ms or round(sum(attempt.compile_ms or 0.0 for attempt in decision.attempts), 3),
@@ -185,7 +189,7 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         "timings_ms": decision.timings,
         "recovery_ms": elapsed_ms,
     }
-    if launch is not None:
+    if launch is not None and failing is not None:
         code = launch.jit.fn.__code__
         named = launch.named_args()
         constexprs = launch.constexpr_names()

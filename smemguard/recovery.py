@@ -17,13 +17,17 @@ Internal failures are logged and end in re-raising the user's error itself, neve
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from . import decisions, incidents, introspect, ladder, registry, runtime
+from .internal import Steps, StepFailed
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 
@@ -64,33 +68,52 @@ def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
     return decisions.remembered_options(jit, jit_key, device, settings.cache_dir)
 
 
-def _apply(decision: Decision, launch: Launch, failing, error):
+def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
+    """What runs now that ``decision`` is taken: the relaunch, the user's fallback, or the user's error."""
     if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
-        replace_in_jit_cache(launch, failing, decision.replacement)
-        return launch.relaunch()
+        steps.run("replace in the JIT cache", replace_in_jit_cache, launch, failing, decision.replacement)
+        return launch.relaunch
     if decision.action == CONFIG_CHANGED:
-        return with_config(launch, decision.config).relaunch()
+        return steps.run("launch with the new config", with_config, launch, decision.config).relaunch
     if decision.action == FALLBACK:
-        try:
-            decision.fallback(**launch.named_args())
-        except Exception as fallback_error:
-            incidents.add_note(error, f"smemguard: the registered fallback {introspect.callable_name(decision.fallback)} "
-                                      f"raised {type(fallback_error).__name__}: {fallback_error}")
-            raise error from fallback_error
-        return None
+        named = steps.run("bind the fallback's arguments", _fallback_arguments, launch)
+        return functools.partial(_run_fallback, decision.fallback, named, error)
     incidents.add_note(error, lambda: incidents.explain(launch, decision, error))
+    return functools.partial(_reraise, error)
+
+
+def _fallback_arguments(launch: Launch) -> dict:
+    """The launch's arguments by parameter name, as a fallback takes them."""
+    return launch.named_args()
+
+
+def _run_fallback(fallback, named: dict, error):
+    try:
+        fallback(**named)
+    except Exception as fallback_error:
+        incidents.add_note(error, f"smemguard: the registered fallback {introspect.callable_name(fallback)} "
+                                  f"raised {type(fallback_error).__name__}: {fallback_error}")
+        raise error from fallback_error
+
+
+def _reraise(error):
     raise error
 
 
-def _decide(launch: Launch, failing, error, settings) -> Decision:
-    """The decision for this failure: one stored by any process for the same case, else a new one (stored)."""
-    store = decisions.store(settings.cache_dir)
-    cases = decisions.cases_for(launch, failing) if store is not None else None
-    decision = decisions.recall(launch, cases, store) if cases else None
+def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
+    """The decision for this failure: one stored by any process for the same case, else a new one (stored).
+    The store only saves work: when reading or writing it fails, the ladder decides and nothing is stored."""
+    store = steps.run("open the decision store", decisions.store, settings.cache_dir, otherwise=lambda: None)
+    cases = (steps.run("key the stored decisions", decisions.cases_for, launch, failing, otherwise=lambda: None)
+             if store is not None else None)
+    decision = (steps.run("recall a stored decision", decisions.recall, launch, cases, store, otherwise=lambda: None)
+                if cases else None)
     if decision is None:
-        decision = ladder.decide(launch, failing, error)
+        decision = steps.run("decide", ladder.decide, launch, failing, error)
         if cases:
-            decision = decisions.remember(launch, decision, cases, store)
+            chosen = decision
+            decision = steps.run("store the decision", decisions.remember, launch, chosen, cases, store,
+                                 otherwise=lambda: chosen)
     return decision
 
 
@@ -112,12 +135,14 @@ def handle_warmup(launched, grid, args, kwargs, compiled, settings):
         with case.lock:
             if case.decision is None:
                 described = incidents.described_args(launch)
-                decision = _decide(launch, compiled, error, settings)
+                decision = _decide(launch, compiled, error, settings, Steps(introspect.kernel_name(launched)))
                 case.decision = incidents.record_launch(launch, launched, compiled, error, decision, started,
                                                         settings.log_path, described, phase="warmup")
         if case.decision.action in (STAGES_REDUCED, WARPS_REDUCED):
             replace_in_jit_cache(launch, compiled, case.decision.replacement)
             return case.decision.replacement
+    except StepFailed:  # logged where it failed
+        pass
     except Exception:
         log.warning("smemguard: internal error while deciding at warm-up for %s; left to its first launch",
                     introspect.kernel_name(launched), exc_info=True)
@@ -133,44 +158,60 @@ def _layer_name(launched) -> str:
 
 
 def handle(launched, grid, args, kwargs, error, settings):
-    """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it."""
+    """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
+
+    smemguard's own work runs inside the guard (:class:`~smemguard.internal.Steps`, and a last one
+    around all of it); what it decides to run (the relaunch, the user's fallback) runs outside it, so
+    that an error of smemguard's never replaces the user's error nor one of the user's own code. When
+    a step fails, the record says which, and the user gets ``error`` itself, or where the step only
+    saved work, the recovered launch."""
     started = time.perf_counter()
+    steps = Steps(_layer_name(launched))
+    launch = failing = None
     try:
-        launch = resolve(launched, grid, args, kwargs)
-        failing = launch.compile() if launch is not None else None
-    except Exception:  # smemguard's bug: the user gets their own error, and one warning says whose bug it is
-        incidents.warn_once(("resolve", _layer_name(launched)), "smemguard: internal error while reading the failed "
-                            "launch of %s; re-raising the original error", _layer_name(launched), exc_info=True)
+        launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
+        if launch is not None:
+            failing = steps.run("compile the failing launch", launch.compile)
+        run = _recover(launched, launch, failing, error, settings, steps, started)
+    except StepFailed:
+        run = None
+    except Exception:
+        steps.note("handle the failure")
+        run = None
+    if run is None:
+        incidents.record_launch(launch, launched, failing, error, Decision(
+            RERAISED, (), internal_steps=tuple(steps.failed),
+            reason=f"smemguard's own step {steps.failed[-1]!r} failed (its bug: please report it); the original "
+                   "error is raised"), started, settings.log_path)
         raise error
+    return run()
+
+
+def _recover(launched, launch: Launch | None, failing, error, settings, steps: Steps, started: float):
+    """What runs for the failed launch (see :func:`_plan`), with its decision taken and recorded."""
     if launch is None:
         action = OBSERVED if settings.observe_only else RERAISED
         decision = incidents.record_launch(None, launched, None, error, Decision(action, (), reason=(
-            f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run launches "
-            "exactly what Autotuner.run does: it may launch more than one kernel, so it is not retried")), started,
-            settings.log_path)
+            f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run "
+            "launches exactly what Autotuner.run does: it may launch more than one kernel, so it is not "
+            "retried")), started, settings.log_path)
         incidents.add_note(error, lambda: f"smemguard did not retry {introspect.kernel_name(launched)}: "
                            f"{decision.reason}" + (f"; incident record: {decision.record}" if decision.record else ""))
-        raise error
-
+        return functools.partial(_reraise, error)
     if settings.observe_only:
-        incidents.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started,
-                                settings.log_path)
-        raise error
-
-    if check(failing)[0]:  # another thread already put a kernel that fits in its place
-        return launch.relaunch()
-
-    case = _case_for(launch, failing)
+        incidents.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings.log_path)
+        return functools.partial(_reraise, error)
+    # Another thread already put a kernel that fits in its place.
+    if steps.run("check the kernel in the JIT cache", lambda: check(failing)[0], otherwise=lambda: False):
+        return launch.relaunch
+    case = steps.run("find the case", _case_for, launch, failing, otherwise=_Case)
     with case.lock:
         if case.decision is None:
-            try:
-                # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
-                described = incidents.described_args(launch)
-                decision = _decide(launch, failing, error, settings)
-            except Exception:
-                log.warning("smemguard: internal error while recovering %s; re-raising the original error",
-                            introspect.kernel_name(launch.jit), exc_info=True)
-                raise error
+            # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
+            described = steps.run("describe the arguments", incidents.described_args, launch, otherwise=lambda: None)
+            decision = _decide(launch, failing, error, settings, steps)
+            if steps.failed:
+                decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
             case.decision = incidents.record_launch(launch, launched, failing, error, decision, started,
                                                     settings.log_path, described)
-    return _apply(case.decision, launch, failing, error)
+    return _plan(case.decision, launch, failing, error, steps)

@@ -38,7 +38,11 @@ CACHE_DIR = "SMEMGUARD_CACHE_DIR"
 #: process of the host adds its incidents to. Unset: metrics live in the process only.
 METRICS_FILE = "SMEMGUARD_METRICS_FILE"
 
-KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE)
+#: Patch modules to leave off, comma-separated, by the names ``smemguard.patches.MODULES`` lists
+#: (``kernel_warmup,flaggems``): for an operator who suspects one patch. The rest still apply.
+DISABLE = "SMEMGUARD_DISABLE"
+
+KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE, DISABLE)
 
 
 class SettingsError(ValueError):
@@ -54,6 +58,7 @@ class Settings:
     cache_dir: Path | None = None
     problems: tuple[str, ...] = ()  # one line each, ready to log
     metrics_file: Path | None = None
+    disabled: tuple[str, ...] = ()  # patch modules named in SMEMGUARD_DISABLE (unknown names are reported at install)
 
     @property
     def enabled(self) -> bool:
@@ -183,14 +188,28 @@ def _parse_cache_dir(value: str | None, environ: Mapping[str, str], problems: li
     return path
 
 
-def _unknown_variables(environ: Mapping[str, str]) -> list[str]:
+def _parse_disable(value: str | None) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name.strip() for name in (value or "").split(",") if name.strip()))
+
+
+def _unknown(names, known, what: str) -> list[str]:
+    """One line per name of ``names`` not in ``known``, with the closest known name when there is one."""
     lines = []
-    for name in sorted(environ):
-        if name.startswith("SMEMGUARD_") and name not in KNOWN:
-            guess = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.8)
+    for name in names:
+        if name not in known:
+            guess = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
             hint = f" (did you mean {guess[0]}?)" if guess else ""
-            lines.append(f"{name} is not a smemguard setting{hint}; known: {', '.join(KNOWN)}.")
+            lines.append(f"{name} is not {what}{hint}; known: {', '.join(known)}.")
     return lines
+
+
+def unknown_patches(settings: Settings, known: tuple[str, ...]) -> list[str]:
+    """Problem lines for names in SMEMGUARD_DISABLE that are not patch modules (``known``)."""
+    return [f"{DISABLE}: {line}" for line in _unknown(settings.disabled, known, "a smemguard patch")]
+
+
+def _unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    return _unknown(sorted(name for name in environ if name.startswith("SMEMGUARD_")), KNOWN, "a smemguard setting")
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
@@ -203,7 +222,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     cache_dir = _parse_cache_dir(environ.get(CACHE_DIR), environ, problems)
     metrics_file = _parse_metrics_file(environ.get(METRICS_FILE), problems)
     problems.extend(_unknown_variables(environ))
-    return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file)
+    return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file,
+                    disabled=_parse_disable(environ.get(DISABLE)))
 
 
 @functools.lru_cache(maxsize=1)

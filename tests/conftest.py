@@ -51,10 +51,7 @@ def _never_leave_the_guard_installed():
 
 def patch_context(settings: Settings | None = None):
     """The context the installer hands a patch module, for tests that apply one module directly."""
-    from smemguard.patches import PatchContext
-
-    return PatchContext(settings or Settings(), guard._on_out_of_resources, guard._remembered_options,
-                        guard._on_warmup)
+    return guard._context(settings or Settings())
 
 
 def records(path: Path) -> list[dict]:

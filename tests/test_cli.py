@@ -147,7 +147,15 @@ def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys)
     assert err.splitlines() == [
         "smemguard: SMEMGUARD='bogus' ignored: unknown mode; accepted: on | off | observe | strict. Using the default.",
         "smemguard: SMEMGUARD_CACHEDIR is not a smemguard setting (did you mean SMEMGUARD_CACHE_DIR?); known: "
-        "SMEMGUARD, SMEMGUARD_MAX_SHARED, SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR, SMEMGUARD_METRICS_FILE."]
+        "SMEMGUARD, SMEMGUARD_MAX_SHARED, SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR, SMEMGUARD_METRICS_FILE, SMEMGUARD_DISABLE."]
+
+
+def test_an_unknown_patch_in_smemguard_disable_is_reported_like_an_unknown_setting(monkeypatch, capsys, caplog):
+    monkeypatch.setenv("SMEMGUARD_DISABLE", "kernel_warmup, kernel_warmpu")
+    assert cli.main(["gpus"]) == 0
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("smemguard: SMEMGUARD_DISABLE: kernel_warmpu is not a smemguard patch (did you mean "
+                           "kernel_warmup?); known: max_shared_mem, ")
 
 
 def test_strict_mode_stops_every_command_on_a_bad_setting(monkeypatch, capsys):

@@ -175,3 +175,20 @@ def test_uninstall_takes_the_replacement_kernels_out_of_tritons_jit_cache(triton
             smemguard.uninstall()
         with pytest.raises(OutOfResources):
             launch()
+
+
+def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog):
+    from smemguard import settings as settings_module
+
+    settings = settings_module.load({"SMEMGUARD_DISABLE": " autotuner_bench,max_shared_mem ,", "SMEMGUARD_MAX_SHARED": "L4"})
+    assert settings.disabled == ("autotuner_bench", "max_shared_mem") and not settings.problems
+    with caplog.at_level(logging.INFO, logger="smemguard"):
+        assert smemguard.install(settings)
+    try:
+        assert kernel_interface.is_patched(), "the other patches still apply"
+        assert not autotuner_bench.is_patched() and not max_shared_mem.is_patched()
+        [line] = [r.getMessage() for r in caplog.records if "SMEMGUARD_DISABLE" in r.getMessage()]
+        assert line == ("smemguard: autotuner_bench, max_shared_mem left off by SMEMGUARD_DISABLE; their targets "
+                        "are untouched")
+    finally:
+        smemguard.uninstall()

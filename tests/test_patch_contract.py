@@ -133,7 +133,7 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
         sys.path.insert(0, {str(stand_ins)!r})
         import triton
         from smemguard import guard
-        from smemguard.patches import PatchContext, {name} as module
+        from smemguard.patches import {name} as module
         from smemguard.settings import Settings
 
         for target in module.TARGET_MODULES:
@@ -153,8 +153,7 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
                     owner = getattr(owner, attribute)
                 return owner.__dict__.get(path[-1]) if isinstance(owner, type) else getattr(owner, path[-1])
 
-        context = PatchContext(Settings(max_shared=65536), guard._on_out_of_resources, guard._remembered_options,
-                               guard._on_warmup)
+        context = guard._context(Settings(max_shared=65536))
         before = target_object()
         seen = []
         for step in {STEPS!r}:
@@ -174,3 +173,154 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
     # fallbacks of vLLM kernels) leaves it and registers with the engine instead.
     registers_only = ("flaggems", "vllm_batch_invariant", "vllm_prefix_prefill")
     assert second["changed_when_patched"] is (name not in registers_only)
+
+
+# How each module's target is reached, so that a layer another tool put there can be seen being called.
+# The Triton targets all run in one small autotuned launch on the CPU harness (a new size each time, so that
+# Triton compiles and tunes again) and one warm-up; the vLLM wrappers are called with stand-in arguments.
+_TRITON_EXERCISE = """
+    import torch
+    from kernels import autotuned, config, matmul_args, tiled_grid
+    from smemguard.testing import fake_gpu
+
+    def exercise(round_):
+        size = 16 * (round_ + 1)
+        a, b, c = (torch.empty(size, size, dtype=torch.float16) for _ in range(3))
+        tuned = autotuned([config(16, 16, 16, 1), config(16, 16, 32, 1)])
+        with fake_gpu("L4", cache_dir=CACHE):
+            tuned[tiled_grid(size, size)](*matmul_args(a, b, c))
+            tuned.fn.warmup(*matmul_args(a, b, c), BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, grid=(1,))
+"""
+_SHAPE = "type('Tensor', (), {'shape': (1, 64), 'dtype': None})()"
+EXERCISE = {
+    **{name: _TRITON_EXERCISE for name in ("max_shared_mem", "autotuner_bench", "jit_compile", "kernel_interface",
+                                           "kernel_warmup")},
+    "deepgemm_metadata": """
+        def exercise(round_):
+            import vllm.utils.deep_gemm as module
+            module.get_paged_mqa_logits_metadata(None, 64, 132)
+    """,
+    "vllm_unified_attention": """
+        def exercise(round_):
+            import vllm.v1.attention.backends.triton_attn as backend
+            backend.unified_attention(None, None, None, None)
+    """,
+    "inductor_launchers": """
+        import pytest
+        from inductor_kernels import inductor_gpu, template_matmul
+
+        def exercise(round_):
+            with inductor_gpu(pytest.MonkeyPatch(), "L4", cache_dir=CACHE):
+                template_matmul("L4", num_stages=2 + round_).precompile()
+    """,
+    "inductor_flex_configs": """
+        import torch
+        from smemguard.testing import fake_gpu
+        torch.cuda.get_device_capability = lambda device=None: (8, 9)
+
+        def exercise(round_):
+            from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+            with fake_gpu("L4", cache_dir=CACHE):
+                CUDAConfigHeuristic().get_flex_attn_fwd_configs(64, torch.float16)
+    """,
+    "inductor_static_launcher": """
+        def exercise(round_):
+            from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+            loaded = StaticallyLaunchedCudaKernel.__new__(StaticallyLaunchedCudaKernel)
+            loaded.function, loaded.shared, loaded.name = object(), 0, "loaded"
+            loaded.load_kernel(0)  # loaded already: Inductor's loader returns at once
+    """,
+    "vllm_prefill_attention": f"""
+        def exercise(round_):
+            import vllm.v1.attention.backends.triton_attn as backend
+            backend.context_attention_fwd({_SHAPE}, {_SHAPE}, None, None)
+    """,
+}
+#: Modules that register with the engine (fallbacks, alternatives, tuner descriptions) and layer nothing.
+REGISTERS_ONLY = ("flaggems", "vllm_batch_invariant", "vllm_prefix_prefill")
+
+
+@pytest.mark.parametrize("name", patches.MODULES)
+def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand_ins, triton_cache):
+    """Another tool (OpenTelemetry, ddtrace) wraps the target with wrapt before install and again after it:
+    uninstall and re-install keep both of its layers in place, and they keep being called."""
+    import triton
+
+    module = importlib.import_module(f"smemguard.patches.{name}")
+    if module.SUPPORTED.package == "triton" and not module.SUPPORTED.admits(triton.__version__):
+        pytest.skip(f"{name} needs Triton {module.SUPPORTED}; the installer does not apply it to {triton.__version__}")
+    exercise = textwrap.dedent(EXERCISE.get(name, "def exercise(round_):\n    pass\n"))
+    result = run_python(f"""
+        import importlib, json, sys
+        sys.path.insert(0, {str(stand_ins)!r})
+        import triton, wrapt
+        from smemguard import guard
+        from smemguard.patches import {name} as module
+        from smemguard.settings import Settings
+
+        CACHE = {triton_cache!r}
+        for target in module.TARGET_MODULES:
+            try:
+                importlib.import_module(target)
+            except ImportError:
+                pass
+
+        def owner_and_path():
+            path = module.TARGET.split(".")
+            for split in range(len(path) - 1, 0, -1):
+                if ".".join(path[:split]) in sys.modules:
+                    return ".".join(path[:split]), ".".join(path[split:])
+
+        def chain():
+            owner_name, path = owner_and_path()
+            owner = sys.modules[owner_name]
+            *parents, attr = path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            layer = (next((vars(cls)[attr] for cls in owner.__mro__ if attr in vars(cls)), None)
+                     if isinstance(owner, type) else getattr(owner, attr))
+            found = []
+            while layer is not None:
+                found.append(layer)
+                layer = getattr(layer, "__wrapped__", None)
+            return found
+
+        calls = {{"below": 0, "above": 0}}
+
+        def counting(where):
+            def wrapper(wrapped, instance, args, kwargs):
+                calls[where] += 1
+                return wrapped(*args, **kwargs)
+            return wrapper
+
+{textwrap.indent(exercise, " " * 8)}
+        context = guard._context(Settings(max_shared=65536))
+        original, base = chain()[-1], len(chain())
+        wrapt.wrap_function_wrapper(*owner_and_path(), counting("below"))
+        below = chain()[0]
+        module.patch(context)
+        patched = module.is_patched()
+        wrapt.wrap_function_wrapper(*owner_and_path(), counting("above"))
+        above = chain()[0]
+        steps = []
+        for step in ("unpatch", "patch", "unpatch"):
+            module.patch(context) if step == "patch" else module.unpatch()
+            layers = chain()
+            exercise(len(steps))
+            steps.append({{"step": step, "is_patched": module.is_patched(), "above_kept": above in layers,
+                          "below_kept": below in layers, "original_last": layers[-1] is original,
+                          "layers": len(layers) - base, "calls": dict(calls)}})
+        print(json.dumps({{"patched": patched, "steps": steps}}))
+    """)
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["patched"], f"{name} did not patch under another tool's layer"
+    for step in seen["steps"]:
+        assert step["is_patched"] is (step["step"] == "patch"), f"is_patched must read the target: {step}"
+        assert step["above_kept"] and step["below_kept"] and step["original_last"], f"a foreign layer was lost: {step}"
+        own = 1 if step["step"] == "patch" and name not in REGISTERS_ONLY else 0
+        assert step["layers"] == 2 + own, f"exactly the two foreign layers over the target, and ours when patched: {step}"
+    if name in EXERCISE:
+        counts = [step["calls"] for step in seen["steps"]]
+        assert all(later["below"] > earlier["below"] and later["above"] > earlier["above"]
+                   for earlier, later in zip([{"below": 0, "above": 0}, *counts], counts)), \
+            f"the other tool's layers must be called after every step: {counts}"

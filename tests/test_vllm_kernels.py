@@ -15,7 +15,6 @@ import smemguard  # noqa: E402
 from smemguard import registry  # noqa: E402
 from smemguard.patches import (  # noqa: E402
     deepgemm_metadata,
-    find_wrapper,
     vllm_batch_invariant,
     vllm_prefix_prefill,
     vllm_unified_attention,
@@ -68,8 +67,7 @@ def test_deepgemm_metadata_patch_wraps_vllms_function(install_guard):
     assert original.__module__ == deepgemm_metadata.TARGET_MODULE, "vLLM's own function before install"
     install_guard()
     wrapper = getattr(module, deepgemm_metadata.FUNCTION)
-    assert wrapper is find_wrapper(deepgemm_metadata.TARGET_MODULE, deepgemm_metadata.FUNCTION,
-                                   deepgemm_metadata._fallback_on_refusal), "smemguard's layer is the module's function"
+    assert deepgemm_metadata.is_patched() and wrapper is not original, "smemguard's layer is the module's function"
     assert wrapper.__wrapped__ is original
     smemguard.uninstall()
     assert getattr(module, deepgemm_metadata.FUNCTION) is original
@@ -166,10 +164,9 @@ def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(u
         attend(unified_attention, 256, torch.float32, decode=True, window=1023)
     assert [launch.kernel for launch in gpu.launches] == ["kernel_unified_attention", "reduce_segments"]
     assert tiles_run["attention"][-1] == 16 and tiles_run["reduce"] == [16], "both kernels see the same TILE_SIZE"
-    choice = vllm_unified_attention.TILE_CHOICE
-    assert vllm_unified_attention.CHOICE.find_layer(choice) is not None
+    assert vllm_unified_attention.CHOICE.caps_choice()
     smemguard.uninstall()
-    assert vllm_unified_attention.CHOICE.find_layer(choice) is None, "vLLM's own choice again"
+    assert not vllm_unified_attention.CHOICE.caps_choice(), "vLLM's own choice again"
     assert not vllm_unified_attention.is_patched()
 
 
@@ -235,7 +232,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
         (f"BLOCK_M={block}", 256)], "one decision for the shape class; the second call chose the smaller BLOCK at once"
     smemguard.uninstall()
     assert backend.context_attention_fwd is module.context_attention_fwd is vllms_own
-    assert vllm_prefill_attention.CHOICE.find_layer(vllm_prefill_attention.TILE_CHOICE) is None
+    assert not vllm_prefill_attention.CHOICE.caps_choice()
 
 
 def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, install_guard, incident_log,

@@ -22,7 +22,6 @@ it at once. A failure of any later launch of the call is never retried. One inci
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import sys
@@ -30,14 +29,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _is_wrapt_layer, rebind
+from . import Layer
 from .. import incidents, runtime
+from ..internal import Steps
 from ..launch import Attempt
 
 log = logging.getLogger(__name__)
-
-_MARK = "_smemguard_layer"  # attribute naming the patch a plain function layer belongs to
-
 
 class TileChoice:
     """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first.
@@ -67,6 +64,9 @@ class TileChoice:
         self._log_path = None
         self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
         self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
+        # Both also where vLLM's callers imported them by name (the Triton backend imports the wrapper).
+        self._wrapper_layer = Layer(module, wrapper, rebind=True)
+        self._choice_layer = Layer(module, choice, rebind=True)
 
     # -- the patch contract ----------------------------------------------------------------------
 
@@ -91,55 +91,24 @@ class TileChoice:
             return
         self._check(module, kernel)
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
-        self._add_layer(self.wrapper, self._guarded(getattr(module, self.wrapper)))
+        self._wrapper_layer.add(self._guarded)
 
     def unpatch(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
         with self._lock:
             self._tiles.clear()
-        if self.module in sys.modules:
-            self._remove_layer(self.choice)
-            self._remove_layer(self.wrapper)
+        self._choice_layer.remove()
+        self._wrapper_layer.remove()
 
     def is_patched(self) -> bool:
-        return self.module in sys.modules and self.find_layer(self.wrapper) is not None
+        return self._wrapper_layer.present()
 
-    def find_layer(self, name: str):
-        """Our layer on ``module.name``, wherever it sits in a chain of ``__wrapped__`` layers, or None."""
-        layer = getattr(sys.modules.get(self.module), name, None)
-        while layer is not None and getattr(layer, _MARK, None) != self._mark(name):
-            layer = getattr(layer, "__wrapped__", None)
-        return layer
+    def caps_choice(self) -> bool:
+        """Whether vLLM's choice function carries the layer that answers learnt tiles (from the first
+        decision on)."""
+        return self._choice_layer.present()
 
     # -- plain function layers -------------------------------------------------------------------
-
-    def _mark(self, name: str) -> str:
-        return f"{self.module}.{name}"
-
-    def _add_layer(self, name: str, layer: Callable) -> None:
-        module = sys.modules[self.module]
-        original = getattr(module, name)
-        functools.update_wrapper(layer, original)  # sets __wrapped__, keeps vLLM's name and docstring
-        setattr(layer, _MARK, self._mark(name))
-        setattr(module, name, layer)
-        rebind(name, original, layer)
-
-    def _remove_layer(self, name: str) -> None:
-        """Remove only our layer: the outermost one, or one under another tool's wrapt layer."""
-        module = sys.modules[self.module]
-        above, layer = None, getattr(module, name, None)
-        while layer is not None and getattr(layer, _MARK, None) != self._mark(name):
-            above, layer = layer, getattr(layer, "__wrapped__", None)
-        if layer is None:
-            return
-        if above is None:
-            setattr(module, name, layer.__wrapped__)
-            rebind(name, layer, layer.__wrapped__)
-        elif _is_wrapt_layer(above):  # another tool wrapped on top of us: splice our layer out
-            above.__wrapped__ = layer.__wrapped__
-        else:
-            log.debug("smemguard: %s.%s is wrapped over smemguard's layer by a plain function; left as it is",
-                      self.module, name)
 
     def _guarded(self, original: Callable) -> Callable:
         out_of_resources, retry = self._out_of_resources, self._retry
@@ -191,8 +160,7 @@ class TileChoice:
                 self._tiles.pop(key, None)
                 return
             self._tiles[key] = tile
-            if self.find_layer(self.choice) is None:
-                self._add_layer(self.choice, self._capped(getattr(sys.modules[self.module], self.choice)))
+            self._choice_layer.add(self._capped)
 
     def _failed_launch(self, error: BaseException) -> tuple | None:
         """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory
@@ -228,34 +196,33 @@ class TileChoice:
     def _retry(self, wrapped, args, kwargs, original):
         """Call again with halved tiles while the patch's kernel is the launch that does not fit."""
         started = time.perf_counter()
+        steps = Steps(f"{self.module}:{self.kernel}")
         error, key, before, failed = original, None, None, []
         while True:
-            try:
-                launch = self._failed_launch(error)
-                step = self._smaller_tile(*launch) if launch is not None else None
-            except Exception:  # our failure must not replace vLLM's error
-                log.debug("smemguard: could not read the failed %s launch", self.wrapper, exc_info=True)
-                launch = step = None
+            launch = steps.run("read the failed launch", self._failed_launch, error, otherwise=lambda: None)
+            step = (steps.run("choose a smaller tile", self._smaller_tile, *launch, otherwise=lambda: None)
+                    if launch is not None else None)
             if step is None:
                 if error is original:
                     raise original
                 if launch is not None:  # not even the smallest tile fits: vLLM's own choice again
-                    self._learn(key, before)
+                    steps.run("forget the tile", self._learn, key, before, otherwise=lambda: None)
                     raise original
                 raise error  # a later launch failed after the kernel ran: the call is not repeated
             if key is None:
                 key, before = step[0], self._tiles.get(step[0])
             failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
-            self._learn(key, step[2])
+            if steps.run("learn the tile", self._learn, key, step[2], otherwise=lambda: False) is False:
+                raise original  # without the smaller tile in place, calling again would fail the same way
             try:
                 result = wrapped(*args, **kwargs)
             except self._out_of_resources as again:
                 error = again
                 continue
-            self._report(original, key, failed, step[2], started)
+            self._report(original, key, failed, step[2], started, steps.failed)
             return result
 
-    def _report(self, error, key: tuple, failed: list, final: int, started: float) -> None:
+    def _report(self, error, key: tuple, failed: list, final: int, started: float, internal_steps: list) -> None:
         try:
             device, _, *shape = key
             shape_class = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
@@ -264,17 +231,15 @@ class TileChoice:
             record = {
                 **incidents.new_record(f"{self.module}:{self.kernel}"),
                 "launched_as": f"{self.module}:{self.wrapper}",
-                "device": runtime.device_description(device),
-                "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
-                "resource": error.name,
-                "required": error.required,
-                "limit_hit": error.limit,
+                **incidents.overflow_fields(device, error.name, error.required, error.limit),
                 "shape_class": shape_class,
                 "config": failed[0].config,
                 "attempts": incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
                 "action": "tile_reduced",
                 "final": chosen,
                 "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
+                "internal_errors": len(internal_steps),
+                "internal_steps": internal_steps,
             }
             incidents.emit(record, self._log_path, (self.kernel, key),
                            "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from .. import layers, runtime
-from . import TRITON, find_wrapper, unwrap, wrap
+from . import TRITON, Layer, wrapt_layer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ TARGET_MODULES = ("triton",)
 SUPPORTED = TRITON
 OBSERVE_SAFE = True  # only observes
 
-_MODULE, _NAME = "triton.runtime.autotuner", "Autotuner._bench"
+_LAYER = Layer("triton.runtime.autotuner", "Autotuner._bench")
 
 
 def applies(settings) -> bool:
@@ -51,13 +51,12 @@ def _record(wrapped, instance, args, kwargs):
 
 
 def patch(context) -> None:
-    if not is_patched():
-        wrap(_MODULE, _NAME, _record)
+    _LAYER.add(wrapt_layer(_record))
 
 
 def unpatch() -> None:
-    unwrap(_MODULE, _NAME, _record)
+    _LAYER.remove()
 
 
 def is_patched() -> bool:
-    return find_wrapper(_MODULE, _NAME, _record) is not None
+    return _LAYER.present()

@@ -53,13 +53,12 @@ import importlib
 import inspect
 import logging
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import find_wrapper, rebind, unwrap, wrap
+from . import Layer, wrapt_layer
 from .. import incidents
 from ..versions import Supported
 
@@ -70,6 +69,7 @@ FUNCTION = "get_paged_mqa_logits_metadata"
 TARGET = f"{TARGET_MODULE}.{FUNCTION}"
 #: Every module path vLLM has defined the wrapper in.
 TARGET_MODULES = (TARGET_MODULE,)
+_LAYER = Layer(TARGET_MODULE, FUNCTION, rebind=True)  # the MLA indexer imports the function by name
 SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = False  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
 
@@ -147,9 +147,7 @@ def patch(context) -> None:
         return
     module = importlib.import_module(TARGET_MODULE)
     _check_signature(getattr(module, FUNCTION, None))
-    wrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
-    wrapper = getattr(module, FUNCTION)
-    rebind(FUNCTION, wrapper.__wrapped__, wrapper)
+    _LAYER.add(wrapt_layer(_fallback_on_refusal))
 
 
 def unpatch() -> None:
@@ -158,21 +156,12 @@ def unpatch() -> None:
     _log_path = None
     with _lock:
         _refused.clear()
-    module = sys.modules.get(TARGET_MODULE)
-    if module is None:
-        return
-    wrapper = find_wrapper(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
-    if wrapper is None:
-        return
-    unwrap(TARGET_MODULE, FUNCTION, _fallback_on_refusal)
-    rebind(FUNCTION, wrapper, wrapper.__wrapped__)
+    _LAYER.remove()
 
 
 def is_patched() -> bool:
     """True when the defining module carries our layer; never imports vLLM."""
-    if TARGET_MODULE not in sys.modules:
-        return False
-    return find_wrapper(TARGET_MODULE, FUNCTION, _fallback_on_refusal) is not None
+    return _LAYER.present()
 
 
 def _check_signature(function) -> None:

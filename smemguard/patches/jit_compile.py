@@ -25,7 +25,7 @@ import logging
 
 from .. import runtime
 from ..versions import Supported
-from . import find_wrapper, unwrap, wrap
+from . import Layer, wrapt_layer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ TARGET_MODULES = ("triton",)
 SUPPORTED = Supported("triton", (3, 5), (3, 10), label="Triton")
 OBSERVE_SAFE = False  # compiles remembered replacements instead of what was asked for
 
-_MODULE, _NAME = "triton.runtime.jit", "JITFunction._do_compile"
+_LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")
 
 _remembered_options = None  # (jit, key, device) -> {"num_stages": 3} | None
 
@@ -71,15 +71,14 @@ def _compile_remembered(wrapped, instance, args, kwargs):
 def patch(context) -> None:
     global _remembered_options
     _remembered_options = context.remembered_options
-    if not is_patched():
-        wrap(_MODULE, _NAME, _compile_remembered)
+    _LAYER.add(wrapt_layer(_compile_remembered))
 
 
 def unpatch() -> None:
     global _remembered_options
-    unwrap(_MODULE, _NAME, _compile_remembered)
+    _LAYER.remove()
     _remembered_options = None
 
 
 def is_patched() -> bool:
-    return find_wrapper(_MODULE, _NAME, _compile_remembered) is not None
+    return _LAYER.present()

@@ -23,62 +23,75 @@ defined once, on ``KernelInterface``, and no subclass in Triton overrides it.
 
 from __future__ import annotations
 
-from . import TRITON
+from . import TRITON, Layer, bound
 
 TARGET = "triton.runtime.jit.KernelInterface.__getitem__"
 TARGET_MODULES = ("triton",)
 SUPPORTED = TRITON
 OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
 
-_original = None
+_LAYER = Layer("triton.runtime.jit", "KernelInterface.__getitem__")
 
 
 def applies(settings) -> bool:
     return True
 
 
-def _kernel_interface():
-    from triton.runtime.jit import KernelInterface
+def _guarded_getitem(out_of_resources, on_out_of_resources, triton_getitem):
+    """A ``__getitem__`` whose launcher is the one below it inside a ``try``. Over Triton's own, it
+    builds Triton's launcher itself (one frame per launch, as unpatched); over another tool's layer it
+    calls that layer, so the other tool still sees every launch."""
 
-    return KernelInterface
+    def build(below):
+        if below is triton_getitem:
 
+            def __getitem__(self, grid):
 
-def _make_guarded_getitem(out_of_resources, on_out_of_resources):
+                def launch(*args, **kwargs):
+                    try:
+                        return self.run(grid=grid, warmup=False, *args, **kwargs)
+                    except out_of_resources as error:
+                        return on_out_of_resources(self, grid, args, kwargs, error)
 
-    def __getitem__(self, grid):
+                return launch
 
-        def launch(*args, **kwargs):
-            try:
-                return self.run(grid=grid, warmup=False, *args, **kwargs)
-            except out_of_resources as error:
-                return on_out_of_resources(self, grid, args, kwargs, error)
+            return __getitem__
 
-        return launch
+        def __getitem__(self, grid):
+            launcher = bound(below, self)(grid)
 
-    __getitem__.__smemguard__ = True
-    return __getitem__
+            def launch(*args, **kwargs):
+                try:
+                    return launcher(*args, **kwargs)
+                except out_of_resources as error:
+                    return on_out_of_resources(self, grid, args, kwargs, error)
+
+            return launch
+
+        return __getitem__
+
+    return build
 
 
 def patch(context) -> None:
     """Route every ``OutOfResources`` of a ``kernel[grid](...)`` launch to ``context.on_out_of_resources``."""
-    global _original
-    if is_patched():
-        return
     from triton.runtime.errors import OutOfResources
 
-    cls = _kernel_interface()
-    _original = cls.__dict__["__getitem__"]
-    cls.__getitem__ = _make_guarded_getitem(OutOfResources, context.on_out_of_resources)
+    _LAYER.add(_guarded_getitem(OutOfResources, context.on_out_of_resources, _triton_getitem()))
+
+
+def _triton_getitem():
+    """Triton's own ``KernelInterface.__getitem__``, under any layers."""
+    import inspect
+
+    from triton.runtime.jit import KernelInterface
+
+    return inspect.unwrap(KernelInterface.__dict__["__getitem__"])
 
 
 def unpatch() -> None:
-    global _original
-    if not is_patched():
-        return
-    cls = _kernel_interface()
-    cls.__getitem__ = _original
-    _original = None
+    _LAYER.remove()
 
 
 def is_patched() -> bool:
-    return getattr(_kernel_interface().__dict__.get("__getitem__"), "__smemguard__", False)
+    return _LAYER.present()

@@ -36,36 +36,34 @@ import contextvars
 import functools
 
 from ..versions import Supported
+from . import Layer, bound
 
 TARGET = "triton.runtime.jit.KernelInterface.warmup"
 TARGET_MODULES = ("triton",)
 SUPPORTED = Supported("triton", (3, 6), (3, 10), label="Triton")
 OBSERVE_SAFE = False  # it puts replacements into the JIT cache
 
-_original = None
+_LAYER = Layer("triton.runtime.jit", "KernelInterface.warmup")
 
 
 def applies(settings) -> bool:
     return True
 
 
-def _kernel_interface():
-    from triton.runtime.jit import KernelInterface
+def _deciding_warmup(wrap_dtype, on_warmup, async_compile):
 
-    return KernelInterface
+    def build(original):
 
+        def warmup(self, *args, grid, **kwargs):
+            kernel = bound(original, self)(*args, grid=grid, **kwargs)
+            decide = functools.partial(on_warmup, self, grid, tuple(map(wrap_dtype, args)), kwargs)
+            if isinstance(kernel, async_compile.FutureKernel):
+                return _decide_when_finalized(kernel, functools.partial(_outside, async_compile, decide))
+            return decide(kernel)
 
-def _make_deciding_warmup(original, wrap_dtype, on_warmup, async_compile):
+        return warmup
 
-    def warmup(self, *args, grid, **kwargs):
-        kernel = original(self, *args, grid=grid, **kwargs)
-        decide = functools.partial(on_warmup, self, grid, tuple(map(wrap_dtype, args)), kwargs)
-        if isinstance(kernel, async_compile.FutureKernel):
-            return _decide_when_finalized(kernel, functools.partial(_outside, async_compile, decide))
-        return decide(kernel)
-
-    warmup.__smemguard__ = True
-    return warmup
+    return build
 
 
 def _decide_when_finalized(future, decide):
@@ -94,24 +92,15 @@ def _outside(async_compile, decide, compiled):
 
 
 def patch(context) -> None:
-    global _original
-    if is_patched():
-        return
     from triton.runtime import _async_compile
     from triton.runtime.jit import MockTensor
 
-    cls = _kernel_interface()
-    _original = cls.__dict__["warmup"]
-    cls.warmup = _make_deciding_warmup(_original, MockTensor.wrap_dtype, context.on_warmup, _async_compile)
+    _LAYER.add(_deciding_warmup(MockTensor.wrap_dtype, context.on_warmup, _async_compile))
 
 
 def unpatch() -> None:
-    global _original
-    if not is_patched():
-        return
-    _kernel_interface().warmup = _original
-    _original = None
+    _LAYER.remove()
 
 
 def is_patched() -> bool:
-    return getattr(_kernel_interface().__dict__.get("warmup"), "__smemguard__", False)
+    return _LAYER.present()

@@ -17,14 +17,14 @@ Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (same functio
 from __future__ import annotations
 
 from .. import runtime
-from . import TRITON, find_wrapper, unwrap, wrap
+from . import TRITON, Layer, wrapt_layer
 
 TARGET = "triton.compiler.compiler.max_shared_mem"
 TARGET_MODULES = ("triton",)
 SUPPORTED = TRITON
 OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
 
-_MODULE, _NAME = TARGET.rsplit(".", 1)
+_LAYER = Layer(*TARGET.rsplit(".", 1))
 
 
 def applies(settings) -> bool:
@@ -39,14 +39,13 @@ def _min_with_emulated(wrapped, instance, args, kwargs):
 
 def patch(context) -> None:
     runtime.set_emulated_limit(context.settings.max_shared)
-    if not is_patched():
-        wrap(_MODULE, _NAME, _min_with_emulated)
+    _LAYER.add(wrapt_layer(_min_with_emulated))
 
 
 def unpatch() -> None:
-    unwrap(_MODULE, _NAME, _min_with_emulated)
+    _LAYER.remove()
     runtime.set_emulated_limit(None)
 
 
 def is_patched() -> bool:
-    return find_wrapper(_MODULE, _NAME, _min_with_emulated) is not None
+    return _LAYER.present()

@@ -1,0 +1,239 @@
+"""Inductor kernels (``torch.compile``) that do not fit when Inductor loads them: the same configs with
+fewer stages, or, for kernels whose grid follows their blocks, smaller blocks.
+
+Inductor compiles every config of a kernel (``CachingAutotuner``) and loads the results when the
+compiled graph is first run (``_make_launchers``); a result whose shared memory exceeds the limit is
+dropped there, and when none is left the compile fails (``No valid triton configs``). :func:`recover`
+takes over at that point, with the configs Inductor had compiled: for each, a variant Inductor
+compiles itself (``_precompile_config``) and loads (``make_launcher``), so its caches, its static
+launcher and its autotuning treat it as one of its own. In order:
+
+1. fewer stages: the ``num_stages`` option and the ``NUM_STAGES`` kwarg through which Inductor's templates
+   and mix-order reductions set their loops' depth (``tl.range(..., num_stages=NUM_STAGES)``; torch 2.13's
+   own retry lowers both too), each capped at the new depth: same tiles, same order of arithmetic, bitwise
+   the same result;
+   fewer ``num_warps`` when it is threads that do not fit;
+2. for pointwise and reduction kernels, whose launch grid Inductor computes from the config's blocks
+   (``XBLOCK``, ``YBLOCK``; ``R0_BLOCK`` where the reduction loops), half the largest block, down to 1:
+   the same elements, each reduced in the same order within its row (a persistent reduction keeps its
+   whole row in one block and is never split).
+
+Templates (FlexAttention, matmul) render their tiles into the source: only their stages change here.
+A config that fits is never touched: recovery starts only when Inductor found none. Every candidate is
+a real compile; nothing is launched. One incident record per kernel (``phase: "compile"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import re
+import time
+
+from . import incidents, introspect, runtime
+from .decision import OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .launch import Attempt
+
+log = logging.getLogger(__name__)
+
+BLOCKS_REDUCED = "blocks_reduced"
+
+#: Candidate compiles allowed for one kernel (as for a launch: compiles take seconds).
+MAX_CANDIDATES = 16
+
+# "out of resource: shared memory, Required: 131072, Hardware limit: 101376" (Triton) and
+# "out of resource: triton_tem_fused_0 Required: 131072 Hardware limit:101376" (the static launcher).
+_OVERFLOW = re.compile(r"out of resource:\s*(?P<what>[\w ]+?),?\s+Required:\s*(?P<required>\d+),?\s+"
+                       r"Hardware limit:\s*(?P<limit>\d+)")
+_RESOURCES = ("shared memory", "threads", "tensor memory")
+
+#: The heuristic types (``HeuristicType`` names) whose launch grid Inductor computes from the config's
+#: blocks, and the blocks each may halve.
+_GRID_FOLLOWS_BLOCKS = {"POINTWISE": ("XBLOCK", "YBLOCK", "ZBLOCK"), "REDUCTION": ("XBLOCK", "YBLOCK", "R0_BLOCK"),
+                        "PERSISTENT_REDUCTION": ("XBLOCK", "YBLOCK")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    resource: str  # "shared memory", "threads"
+    required: int
+    limit: int
+
+
+def overflow_of(error: BaseException) -> Overflow | None:
+    """What did not fit, when ``error`` is a load failing for a resource (Triton's ``OutOfResources``,
+    the static launcher's ``OutOfMemoryError``, Inductor's ``No valid triton configs`` with either)."""
+    name, required, limit = (getattr(error, attribute, None) for attribute in ("name", "required", "limit"))
+    if isinstance(name, str) and isinstance(required, int) and isinstance(limit, int):
+        return Overflow(name, required, limit)
+    match = _OVERFLOW.search(str(error)[:2000])
+    if match is None:
+        return None
+    what = match.group("what").strip()
+    return Overflow(what if what in _RESOURCES else "shared memory", int(match.group("required")),
+                    int(match.group("limit")))
+
+
+def kernel_name(autotuner) -> str:
+    return str(autotuner.inductor_meta.get("kernel_name") or introspect.kernel_name(autotuner.fn))
+
+
+def _shared(result) -> int | None:
+    kernel = result.kernel
+    shared = getattr(kernel, "shared", None)
+    return shared if isinstance(shared, int) else getattr(getattr(kernel, "metadata", None), "shared", None)
+
+
+def _variant(config, kwargs: dict | None = None, **options):
+    changed = copy.copy(config)
+    changed.kwargs = {**config.kwargs, **(kwargs or {})}
+    for option, value in options.items():
+        setattr(changed, option, value)
+    return changed
+
+
+#: The kwarg Inductor's templates and mix-order reductions take their loops' pipeline depth from
+#: (``tl.range(..., num_stages=NUM_STAGES)``); Inductor's own retry (torch 2.13) lowers it with ``num_stages``.
+DEPTH = "NUM_STAGES"
+
+
+def _depth(config) -> int:
+    """How deep ``config`` pipelines: the ``num_stages`` option, or the ``NUM_STAGES`` kwarg where deeper."""
+    kwarg = config.kwargs.get(DEPTH)
+    return max(config.num_stages, kwarg) if isinstance(kwarg, int) and not isinstance(kwarg, bool) else config.num_stages
+
+
+def _fewer_stages(config, stages: int):
+    """``config`` pipelined at most ``stages`` deep: the option and the ``NUM_STAGES`` kwarg, each capped."""
+    kwarg = config.kwargs.get(DEPTH)
+    depth = {DEPTH: min(kwarg, stages)} if isinstance(kwarg, int) and not isinstance(kwarg, bool) else None
+    return _variant(config, depth, num_stages=min(config.num_stages, stages))
+
+
+def _candidates(autotuner, config, overflow: Overflow):
+    """(action, candidate) for one config Inductor compiled, most conservative first."""
+    if overflow.resource == "threads":
+        warps = config.num_warps // 2
+        while warps >= 1:
+            yield WARPS_REDUCED, _variant(config, num_warps=warps)
+            warps //= 2
+        return
+    for stages in range(_depth(config) - 1, 0, -1):
+        yield STAGES_REDUCED, _fewer_stages(config, stages)
+    blocks = _GRID_FOLLOWS_BLOCKS.get(getattr(autotuner.heuristic_type, "name", ""), ())
+    current = {name: config.kwargs[name] for name in blocks if isinstance(config.kwargs.get(name), int)}
+    while current and max(current.values()) > 1:
+        largest = max(current, key=current.get)
+        current[largest] //= 2
+        yield BLOCKS_REDUCED, _variant(config, dict(current))
+
+
+class _Trial:
+    """The candidates of one kernel compiled so far, against the compile budget."""
+
+    def __init__(self, autotuner, limit: int):
+        self.autotuner, self.limit = autotuner, limit
+        self.attempts: list[Attempt] = []
+        self.compile_ms = 0.0
+
+    def load(self, candidate):
+        """(compile result, its launcher) when ``candidate`` compiles and loads here, else None."""
+        started = time.perf_counter()
+        text = introspect.config_text(candidate)
+        try:
+            result = self.autotuner._precompile_config(candidate)
+        except Exception as error:  # a candidate that does not compile is not a fit
+            self._note(Attempt(text, None, self.limit, False, introspect.error_summary(error, width=200)), started)
+            return None
+        shared = _shared(result)
+        if shared is not None and shared > self.limit:  # known too big: loading it would only raise
+            self._note(Attempt(text, shared, self.limit, False), started)
+            return None
+        try:
+            launcher = result.make_launcher()
+        except Exception as error:
+            overflow = overflow_of(error)
+            if overflow is None:
+                raise
+            self._note(Attempt(text, overflow.required, overflow.limit, False), started)
+            return None
+        self._note(Attempt(text, shared, self.limit, True), started)
+        return result, launcher
+
+    def _note(self, attempt: Attempt, started: float) -> None:
+        elapsed = round((time.perf_counter() - started) * 1000, 3)
+        self.compile_ms += elapsed
+        self.attempts.append(dataclasses.replace(attempt, compile_ms=elapsed))
+
+
+def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
+    """Load a fitting variant of each of ``configs`` (what Inductor compiled for ``autotuner``) after
+    ``error`` said none fits: True when at least one loads (``autotuner`` then holds their compile results
+    and launchers, as after ``_make_launchers``), False when ``error`` stands (its record is written)."""
+    from torch._dynamo.device_interface import DeviceGuard
+
+    started = time.perf_counter()
+    overflow = overflow_of(error)
+    device = autotuner.triton_meta.get("device", 0) or 0
+    limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
+    trial = _Trial(autotuner, limit)
+    failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
+    loaded, chosen = [], []
+    if not settings.observe_only:
+        with DeviceGuard(autotuner.get_device_interface(), device):
+            for config in configs:
+                for action, candidate in _candidates(autotuner, config, overflow):
+                    if len(trial.attempts) >= MAX_CANDIDATES:
+                        break
+                    found = trial.load(candidate)
+                    if found is not None:
+                        loaded.append(found)
+                        chosen.append((action, candidate))
+                        break
+    if loaded:
+        autotuner.compile_results = [result for result, _ in loaded]
+        autotuner.launchers = [launcher for _, launcher in loaded]
+    _record(autotuner, overflow, failing, trial, chosen, started, settings)
+    return bool(loaded)
+
+
+def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
+            settings) -> None:
+    action = chosen[0][0] if chosen else (OBSERVED if settings.observe_only else RERAISED)
+    final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
+    name = kernel_name(autotuner)
+    device = autotuner.triton_meta.get("device", 0) or 0
+    record = {
+        **incidents.new_record(name),
+        "launched_as": "CachingAutotuner",
+        "phase": "compile",
+        "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
+                     "source_hash": introspect.source_hash(autotuner.fn)},
+        **incidents.overflow_fields(device, overflow.resource, overflow.required, overflow.limit),
+        "config": failing[0].config if failing else None,
+        "action": action,
+        "final": final,
+        "reason": None if chosen else _why_not(autotuner, settings),
+        "attempts": incidents.attempt_records([*failing[:1], *trial.attempts]),
+        "compiles": len(trial.attempts),
+        "compile_ms": round(trial.compile_ms, 3),
+        "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
+        "internal_errors": 0,
+    }
+    verdict = f"loads {final}" if chosen else record["reason"]
+    incidents.emit(record, settings.log_path, ("inductor", name, device, record["config"]),
+                   "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
+                   overflow.resource, overflow.required, overflow.limit, record["config"], verdict,
+                   len(trial.attempts), record["recovery_ms"])
+
+
+def _why_not(autotuner, settings) -> str:
+    if settings.observe_only:
+        return "observed only (SMEMGUARD=observe)"
+    kind = getattr(autotuner.heuristic_type, "name", "")
+    if kind == "TEMPLATE":
+        return ("no stage count of its configs fits, and a template's tiles are in its source (smaller tiles must be "
+                "chosen before Inductor renders it)")
+    return f"no stage count{' or smaller block' if kind in _GRID_FOLLOWS_BLOCKS else ''} of its configs fits"
+

@@ -1,0 +1,165 @@
+"""Tiles that can fit for FlexAttention, chosen before Inductor renders its templates: wraps Inductor's
+``CUDAConfigHeuristic.get_flex_attn_fwd_configs`` and ``get_flex_attn_bwd_configs``.
+
+Why: FlexAttention's kernels are templates: Inductor renders the tiles of the config it picks into the
+kernel's source, so once a kernel is compiled only its stages can change (the ``inductor_launchers`` patch
+does that at load). Inductor picks one config per (capability, dtype, head dim) from fixed tables that
+read no shared-memory limit: every 8.x GPU gets the A100's (tuned for 166912 B), and the backward for head
+dim 256 needs 131072 B at one stage (197120 at its two), more than an L4, RTX 4090 or A10G has at any stage
+count (pytorch #133254, #180278; measured on the H200 under an emulated 101376 B limit).
+
+What: the wrapper reads each config Inductor's table returns and bounds from below what one stage of its
+tiles holds in shared memory: the query and one key/value tile for the forward, ``(BLOCK_M + BLOCK_N) x D``
+elements, and the four tiles of the backward, ``(BLOCK_M1 + BLOCK_N1 + BLOCK_M2 + BLOCK_N2) x D``, with D the
+head dimension rounded up to a power of two as Inductor pads it. (Measured on the H200, Triton 3.6: backward
+D=256 bf16 at (64, 64, 64, 64) is exactly that, 131072 B, at one stage; the forward needs more than its bound.)
+A config whose bound is over the limit cannot fit at any stage count: it is replaced, before rendering, by
+the same config with every block halved together (keeping the backward's ``BLOCK_N1 % BLOCK_M1`` and
+``BLOCK_M2 % BLOCK_N2``), down to 16, the largest whose bound fits; its stages and warps stay, and the load
+patch lowers the stages if they still do not fit. A config that may fit is never touched, so a GPU where
+Inductor's table fits compiles exactly what it compiled before. Smaller FlexAttention blocks give results
+within FlexAttention's own tolerances, not bitwise the same (the softmax adds in another order). One
+warning and one incident record (``action: "tiles_reduced"``, ``phase: "compile"``) per (pass, head dim,
+dtype, device, limit).
+
+Inductor's FX graph cache keys a compiled graph by the device's name, not by an emulated limit: under
+``SMEMGUARD_MAX_SHARED``, give the run its own ``TORCHINDUCTOR_CACHE_DIR``.
+
+Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
+``(block_m, block_n, num_stages, num_warps)`` and ``FlexBwDConfig(block_m1, block_n1, block_m2, block_n2,
+num_stages, num_warps)``, dataclasses; ``get_flex_attn_*_configs(self, head_dim, dtype)``); read in 2.8,
+where the module is ``torch/_inductor/template_heuristics.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+
+from .. import incidents, runtime
+from ..internal import Steps
+from ..versions import Supported
+from . import Layer, wrapt_layer
+
+log = logging.getLogger(__name__)
+
+#: Where Inductor's CUDA config heuristic lives: torch 2.9 and later, then 2.8.
+MODULES = ("torch._inductor.template_heuristics.triton", "torch._inductor.template_heuristics")
+TARGET = f"{MODULES[0]}.CUDAConfigHeuristic.get_flex_attn_fwd_configs"
+TARGET_MODULES = MODULES
+SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+OBSERVE_SAFE = False  # changes the tiles Inductor renders
+
+PASSES = {"forward": "get_flex_attn_fwd_configs", "backward": "get_flex_attn_bwd_configs"}
+#: The backward's four blocks and the forward's two, as Inductor's config dataclasses name them.
+_BLOCKS = {"forward": ("block_m", "block_n"), "backward": ("block_m1", "block_n1", "block_m2", "block_n2")}
+SMALLEST_BLOCK = 16  # tl.dot's smallest
+
+_layers = {(module, name): Layer(module, f"CUDAConfigHeuristic.{name}") for module in MODULES
+           for name in PASSES.values()}
+_log_path = None
+_decided: set = set()
+_lock = threading.Lock()
+
+
+def applies(settings) -> bool:
+    return True
+
+
+def _element_bytes(dtype) -> int:
+    return getattr(dtype, "itemsize", 2)
+
+
+def one_stage_bytes(kind: str, config, head_dim: int, dtype) -> int:
+    """What one stage of ``config``'s tiles holds at least, in bytes (see the module's docstring)."""
+    padded = 1 << max(int(head_dim) - 1, 0).bit_length()
+    return sum(getattr(config, block) for block in _BLOCKS[kind]) * padded * _element_bytes(dtype)
+
+
+def _halved(kind: str, config):
+    return dataclasses.replace(config, **{block: getattr(config, block) // 2 for block in _BLOCKS[kind]})
+
+
+def fitting(kind: str, config, head_dim: int, dtype, limit: int):
+    """``config``, or the largest halving of its blocks whose one stage can fit ``limit``; None when even
+    the smallest blocks cannot."""
+    while one_stage_bytes(kind, config, head_dim, dtype) > limit:
+        if min(getattr(config, block) for block in _BLOCKS[kind]) // 2 < SMALLEST_BLOCK:
+            return None
+        config = _halved(kind, config)
+    return config
+
+
+def _offer_fitting(kind: str, configs: list, head_dim: int, dtype) -> list:
+    device = runtime.current_device()
+    limit = runtime.effective_limit(device)
+    offered = []
+    for config in configs:
+        replacement = fitting(kind, config, head_dim, dtype, limit) if dataclasses.is_dataclass(config) else config
+        if replacement is None or replacement == config:
+            offered.append(config)
+            continue
+        offered.append(replacement)
+        _report(kind, config, replacement, head_dim, dtype, device, limit)
+    return offered
+
+
+def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int) -> None:
+    key = (kind, head_dim, str(dtype), device, limit, str(config))
+    with _lock:
+        if key in _decided:
+            return
+        _decided.add(key)
+    bound = one_stage_bytes(kind, config, head_dim, dtype)
+    kernel = f"flex_attention_{kind}"
+    record = {**incidents.new_record(kernel), "launched_as": "torch.compile", "phase": "compile",
+              **incidents.overflow_fields(device, "shared memory", bound, limit),
+              "head_dim": head_dim, "dtype": str(dtype), "config": str(config), "action": "tiles_reduced",
+              "final": str(replacement), "reason": f"at least {bound} B at one stage of its tiles",
+              "attempts": [], "compiles": 0, "internal_errors": 0}
+    incidents.emit(record, _log_path, ("flex", kind, head_dim, str(dtype), device, limit),
+                   "smemguard: FlexAttention %s (head dim %d, %s): Inductor's %s needs at least %d B at one stage, "
+                   "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
+
+
+def _wrapper(kind: str):
+    def offer(wrapped, instance, args, kwargs):
+        configs = wrapped(*args, **kwargs)
+        head_dim, dtype = (list(args) + [kwargs.get("head_dim"), kwargs.get("dtype")])[:2]
+        return Steps(f"FlexAttention {kind}").run("offer tiles that can fit", _offer_fitting, kind, list(configs),
+                                                 head_dim, dtype, otherwise=lambda: configs)
+
+    return offer
+
+
+_WRAPPERS = {kind: _wrapper(kind) for kind in PASSES}
+
+
+def patch(context) -> None:
+    global _log_path
+    _log_path = context.settings.log_path
+    layered = {id(owner) for (module, _), layer in _layers.items() if layer.present()
+               for owner in [getattr(sys.modules.get(module), "CUDAConfigHeuristic", None)]}
+    for module in MODULES:  # the first module defining the class; a package re-exporting it names the same class
+        owner = getattr(sys.modules.get(module), "CUDAConfigHeuristic", None)
+        if owner is None or id(owner) in layered:
+            continue
+        layered.add(id(owner))
+        for kind, name in PASSES.items():
+            if hasattr(owner, name):
+                _layers[(module, name)].add(wrapt_layer(_WRAPPERS[kind]))
+
+
+def unpatch() -> None:
+    global _log_path
+    for layer in _layers.values():
+        layer.remove()
+    _log_path = None
+    with _lock:
+        _decided.clear()
+
+
+def is_patched() -> bool:
+    return any(layer.present() for layer in _layers.values())

@@ -1,0 +1,90 @@
+"""Load-time recovery of torch.compile kernels: wraps Inductor's ``CachingAutotuner._make_launchers``.
+
+Why: every Triton kernel Inductor generates for ``torch.compile`` (templates such as FlexAttention's
+``triton_tem_fused_flex_attention_0``, pointwise ``triton_poi_*``, reductions ``triton_red_*`` and
+``triton_per_*``, user kernels captured by Dynamo) is a ``CachingAutotuner``. Inductor compiles it
+with ``triton.compile`` and launches it with ``kernel.run(...)``, so neither the launch guard nor the
+JIT cache ever sees it. Shared memory is checked once, when the compiled graph is loaded (first call;
+first ``.backward()``; load from Inductor's caches): ``_make_launchers`` loads every compile result,
+drops those that do not fit, and raises ``RuntimeError("No valid triton configs. ...")`` when none is
+left, which torch.compile turns into an ``InductorError``: the model does not run at all (an RTX 4090,
+L4 or A10G given FlexAttention's A100 configs; pytorch #133254, #180278, #175250).
+
+What: when ``_make_launchers`` raises for a resource that does not fit (shared memory, threads), the
+engine (``context.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
+variants of the configs Inductor had compiled (smaller blocks for pointwise and reduction kernels),
+through Inductor's own ``_precompile_config`` and ``make_launcher``, and leaves the ones that load as
+the kernel's compile results and launchers: ``_make_launchers`` then returns as if they had been
+Inductor's own. Any other error, and a kernel nothing fits, raise what Inductor raised. torch 2.13's
+own retry (the last config at one stage, ``dynamic_disable_pipelining``) is held back while Inductor
+loads, so that the most stages that fit win rather than one. In observe mode the overflow is recorded,
+Inductor's own retry runs, and Inductor's error is raised. A kernel that loads is never touched: the
+wrapper adds one ``try`` to a call made once per kernel, never per launch.
+
+Checked against torch 2.11.0 and 2.13.0 (``CachingAutotuner._make_launchers(self)``, whose compile
+results carry ``config``, ``kernel`` and ``make_launcher()``, and ``_precompile_config(self, cfg)``; 2.13
+first retries the last config at one stage itself, ``compile_by_disabling_pipelining``); read in 2.8 to
+2.10, which load the same way.
+"""
+
+from __future__ import annotations
+
+from ..versions import Supported
+from . import Layer, wrapt_layer
+
+TARGET = "torch._inductor.runtime.triton_heuristics.CachingAutotuner._make_launchers"
+TARGET_MODULES = ("torch._inductor.runtime.triton_heuristics",)
+SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
+
+_LAYER = Layer(TARGET_MODULES[0], "CachingAutotuner._make_launchers")
+_on_overflow = None  # (autotuner, error, configs) -> True: recovered; False: nothing fits; None: no answer
+_recovering = False  # not in observe mode, where Inductor's own retry stays Inductor's
+_OWN_RETRY = "dynamic_disable_pipelining"
+_ABSENT = object()
+
+
+def applies(settings) -> bool:
+    return True
+
+
+def _load_or_recover(wrapped, instance, args, kwargs):
+    configs = [result.config for result in instance.compile_results or ()]
+    meta = instance.inductor_meta
+    # torch 2.13's own retry (the last config at one stage) would answer first, with fewer stages than fit.
+    before = meta.get(_OWN_RETRY, _ABSENT)
+    held_back = _recovering and before is not False
+    if held_back:
+        meta[_OWN_RETRY] = False
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception as error:
+        failure = error
+    finally:
+        if held_back and before is _ABSENT:
+            del meta[_OWN_RETRY]
+        elif held_back:
+            meta[_OWN_RETRY] = before
+    # Outside the except block: Inductor's error reaches the caller as Inductor raised it, unchained.
+    recovered = _on_overflow(instance, failure, configs) if _on_overflow is not None and configs else None
+    if recovered:
+        return None
+    if recovered is None and held_back:  # no answer from our side: Inductor's own retry still gets its turn
+        return wrapped(*args, **kwargs)
+    raise failure
+
+
+def patch(context) -> None:
+    global _on_overflow, _recovering
+    _on_overflow, _recovering = context.on_inductor_overflow, not context.settings.observe_only
+    _LAYER.add(wrapt_layer(_load_or_recover))
+
+
+def unpatch() -> None:
+    global _on_overflow, _recovering
+    _LAYER.remove()
+    _on_overflow, _recovering = None, False
+
+
+def is_patched() -> bool:
+    return _LAYER.present()

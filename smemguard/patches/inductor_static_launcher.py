@@ -1,0 +1,70 @@
+"""Emulated shared-memory limit for Inductor's static CUDA launcher: wraps ``load_kernel``.
+
+Why: Inductor loads most of its kernels (in OSS builds, by default) with its own static launcher,
+not with Triton's: ``StaticallyLaunchedCudaKernel.load_kernel(device)`` calls C++ that reads the
+device's opt-in limit itself (``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN``) and fails with
+``torch.OutOfMemoryError("out of resource: <kernel> Required: N Hardware limit:M ...")`` when a kernel
+above 48 KiB needs ``>=`` that limit. Lowering Triton's ``max_shared_mem`` (the ``max_shared_mem``
+patch) never reaches it, so without this a big GPU would load torch.compile kernels a small one refuses.
+Under ``SMEMGUARD_MAX_SHARED`` the wrapper makes the same check against the emulated limit first and
+raises the same error with it, so torch.compile code fails on an H200 exactly as on an L4 or a T4.
+
+Only applied with ``SMEMGUARD_MAX_SHARED``; it changes nothing else (a kernel already loaded, or one
+that fits, goes straight to Inductor's loader).
+
+Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/runtime/static_triton_launcher.py``: the
+kernel's ``name``, ``shared`` and ``function``, None until loaded; 2.13 defines ``load_kernel`` on the
+base class ``StaticallyLaunchedTritonKernel``) and read in 2.8 to 2.10, where the module is
+``static_cuda_launcher``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import runtime
+from ..versions import Supported
+from . import Layer, wrapt_layer
+
+#: Where the static CUDA launcher lives: torch 2.11 and later, then 2.8 to 2.10.
+MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.runtime.static_cuda_launcher")
+TARGET = f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_kernel"
+TARGET_MODULES = MODULES
+SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
+
+#: The C++ loader checks only kernels above the 48 KiB every CUDA GPU gives without opting in.
+_STATIC_SHARED = 49152
+
+_layers = {module: Layer(module, "StaticallyLaunchedCudaKernel.load_kernel") for module in MODULES}
+
+
+def applies(settings) -> bool:
+    return settings.max_shared is not None
+
+
+def _refuse_over_emulated_limit(wrapped, instance, args, kwargs):
+    limit = runtime.emulated_limit()
+    shared = getattr(instance, "shared", 0)
+    if limit is not None and instance.function is None and shared > _STATIC_SHARED and shared >= limit:
+        import torch
+
+        raise torch.OutOfMemoryError(f"out of resource: {instance.name} Required: {shared} Hardware limit:{limit} "
+                                     "Reducing block sizes or `num_stages` may help.")
+    return wrapped(*args, **kwargs)
+
+
+def patch(context) -> None:
+    runtime.set_emulated_limit(context.settings.max_shared)
+    for module, layer in _layers.items():
+        if hasattr(sys.modules.get(module), "StaticallyLaunchedCudaKernel"):
+            layer.add(wrapt_layer(_refuse_over_emulated_limit))
+
+
+def unpatch() -> None:
+    for layer in _layers.values():
+        layer.remove()
+
+
+def is_patched() -> bool:
+    return any(layer.present() for layer in _layers.values())

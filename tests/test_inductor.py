@@ -1,0 +1,198 @@
+"""torch.compile kernels on the CPU harness: Inductor's own CachingAutotuner, its own compile and load path
+(``_precompile_config``, ``_make_launchers``, ``make_launcher``), Triton's real compiles for a stand-in GPU and
+Triton's own load check (tests/inductor_kernels.py says what is stood in for)."""
+
+import pytest
+
+pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from smemguard import inductor  # noqa: E402
+from smemguard.testing import fake_gpu  # noqa: E402
+
+from conftest import records  # noqa: E402
+from inductor_kernels import inductor_gpu, pointwise_transpose, template_matmul  # noqa: E402
+
+
+def test_without_smemguard_a_template_that_does_not_fit_fails_to_load_or_runs_at_one_stage(monkeypatch,
+                                                                                           triton_cache):
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    kernel = template_matmul("L4", num_stages=5)
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        if not hasattr(CachingAutotuner, "compile_by_disabling_pipelining"):  # torch < 2.13
+            with pytest.raises(RuntimeError, match="No valid triton configs.*Required: 131072"):
+                kernel.precompile()
+            return
+        kernel.precompile()  # torch 2.13's own retry: the last config at one stage
+    assert [r.config.num_stages for r in kernel.compile_results] == [1]
+
+
+def test_a_template_that_does_not_fit_loads_with_fewer_stages(install_guard, incident_log, monkeypatch,
+                                                              triton_cache):
+    kernel = template_matmul("L4", num_stages=5)
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    [result] = kernel.compile_results
+    assert (result.config.num_stages, result.kernel.metadata.shared) == (4, 98304), "the most stages that fit"
+    assert len(kernel.launchers) == 1 and kernel.launchers[0].config is result.config
+    [record] = records(incident_log)
+    assert record["phase"] == "compile" and record["action"] == "stages_reduced"
+    assert record["kernel"] == "triton_tem_fused_mm_0" and record["inductor"]["heuristic_type"] == "TEMPLATE"
+    assert (record["required"], record["limit_hit"]) == (131072, 101376)
+    assert [(a.get("changes"), a["required"], a["fits"]) for a in record["attempts"]] == [
+        (None, 131072, False), ("num_stages=4", 98304, True)], "one compile: the next stage count fits"
+
+
+def test_a_template_nothing_fits_keeps_inductors_error_and_says_why(install_guard, incident_log, monkeypatch,
+                                                                   triton_cache):
+    kernel = template_matmul("L4", num_stages=2)
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", max_shared=16384, cache_dir=triton_cache), \
+            pytest.raises(RuntimeError, match="No valid triton configs"):
+        kernel.precompile()
+    [record] = records(incident_log)
+    assert record["action"] == "reraised" and "tiles are in its source" in record["reason"]
+    assert [a.get("changes") for a in record["attempts"]] == [None, "num_stages=1"]
+
+
+def test_a_pointwise_kernel_gets_smaller_blocks_its_grid_follows(install_guard, incident_log, monkeypatch,
+                                                                 triton_cache):
+    # The 256x256 fp32 transpose converts its tile's layout through 65536 B of shared memory (as do 128x256
+    # and 128x128: the conversion's scratch is capped).
+    kernel = pointwise_transpose("L4", 256, 256)
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", max_shared=40000, cache_dir=triton_cache):
+        kernel.precompile()
+    [result] = kernel.compile_results
+    assert result.config.kwargs == {"XBLOCK": 64, "YBLOCK": 128} and result.kernel.metadata.shared == 32768
+    [record] = records(incident_log)
+    assert record["action"] == "blocks_reduced" and record["final"].startswith("XBLOCK=64 YBLOCK=128")
+    assert [(a.get("changes"), a["required"]) for a in record["attempts"]] == [
+        (None, 65536), ("XBLOCK=128", 65536), ("XBLOCK=128 YBLOCK=128", 65536), ("XBLOCK=64 YBLOCK=128", 32768)], \
+        "the largest block halved each time, one block at a time"
+
+
+def test_a_kernel_that_fits_is_not_touched(install_guard, incident_log, monkeypatch, triton_cache):
+    kernel = template_matmul("L4", num_stages=4)
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    assert [r.config.num_stages for r in kernel.compile_results] == [4] and not records(incident_log)
+
+
+def test_observe_mode_records_and_keeps_inductors_error(install_guard, incident_log, monkeypatch, triton_cache):
+    # At 16384 B not even one stage fits: Inductor's own error (torch 2.13's one-stage retry raises its own).
+    kernel = template_matmul("L4", num_stages=2)
+    install_guard(mode="observe")
+    with inductor_gpu(monkeypatch, "L4", max_shared=16384, cache_dir=triton_cache), \
+            pytest.raises((RuntimeError, OutOfResources)):
+        kernel.precompile()
+    [record] = records(incident_log)
+    assert record["action"] == "observed" and record["compiles"] == 0
+
+
+def test_an_emulated_limit_reaches_inductors_load(install_guard, monkeypatch, triton_cache):
+    """SMEMGUARD_MAX_SHARED under the stand-in L4's own limit: Triton's load check, which Inductor's loader
+    calls, refuses what the smaller GPU would."""
+    kernel = template_matmul("L4", num_stages=2)
+    install_guard(mode="observe", max_shared=16384)
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache), \
+            pytest.raises((RuntimeError, OutOfResources), match="Hardware limit: 16384"):
+        kernel.precompile()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("No valid triton configs. OutOfResources: out of resource: shared memory, Required: 131072, "
+     "Hardware limit: 101376. Reducing block sizes or `num_stages` may help.", ("shared memory", 131072, 101376)),
+    ("out of resource: triton_tem_fused_flex_attention_0 Required: 197120 Hardware limit:101376 Reducing block "
+     "sizes or `num_stages` may help.", ("shared memory", 197120, 101376)),
+    ("No valid triton configs. PTXASError: ptxas failed", None),
+])
+def test_what_did_not_fit_is_read_from_every_form_inductor_raises(text, expected):
+    found = inductor.overflow_of(RuntimeError(text))
+    assert (found and (found.resource, found.required, found.limit)) == expected or (found is None and expected is None)
+    error = OutOfResources(1024, 512, "threads")
+    assert inductor.overflow_of(error) == inductor.Overflow("threads", 1024, 512)
+
+
+def test_a_loop_pipelined_by_its_num_stages_kwarg_is_lowered_through_it(install_guard, incident_log, monkeypatch,
+                                                                        triton_cache):
+    """Inductor's mix-order reductions keep ``num_stages=1`` and pipeline their loop with ``NUM_STAGES`` (pytorch
+    #175250's kind): the kwarg is the depth to lower."""
+    from inductor_kernels import depth_kwarg_matmul
+
+    kernel = depth_kwarg_matmul("L4", depth=5)
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    [result] = kernel.compile_results
+    assert (result.config.kwargs["NUM_STAGES"], result.config.num_stages) == (4, 1)
+    assert result.kernel.metadata.shared == 98304
+    [record] = records(incident_log)
+    assert record["action"] == "stages_reduced" and record["required"] == 131072
+
+
+@pytest.fixture
+def capability_89(monkeypatch):
+    """Inductor's config tables read the device's capability from torch: an sm_89 GPU's (an L4's)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+
+
+def flex_configs(kind, head_dim, dtype):
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+    heuristic = CUDAConfigHeuristic()
+    method = heuristic.get_flex_attn_fwd_configs if kind == "forward" else heuristic.get_flex_attn_bwd_configs
+    return method(head_dim, dtype)
+
+
+def test_flex_tiles_that_cannot_fit_at_any_stage_count_are_halved_before_rendering(install_guard, incident_log,
+                                                                                 capability_89, triton_cache):
+    import torch
+
+    install_guard()
+    with fake_gpu("L4", cache_dir=triton_cache):
+        [backward] = flex_configs("backward", 256, torch.bfloat16)
+        [backward_128] = flex_configs("backward", 128, torch.bfloat16)
+        [forward] = flex_configs("forward", 256, torch.bfloat16)
+        flex_configs("backward", 256, torch.bfloat16)
+    # Inductor's sm8x table: (64, 64, 64, 64) at 2 stages for head dim 256: 131072 B at one stage on the H200.
+    assert (backward.block_m1, backward.block_n1, backward.block_m2, backward.block_n2) == (32, 32, 32, 32)
+    assert (backward.num_stages, backward.num_warps) == (2, 4), "stages are left to the load-time patch"
+    assert (backward_128.block_m1, forward.block_m, forward.block_n) == (64, 32, 64), "what may fit is kept"
+    [record] = records(incident_log)
+    assert record["action"] == "tiles_reduced" and record["kernel"] == "flex_attention_backward"
+    assert (record["required"], record["limit_hit"], record["head_dim"]) == (131072, 101376, 256)
+
+
+def test_flex_tiles_on_a_t4_limit_and_without_smemguard(install_guard, capability_89, triton_cache):
+    import torch
+
+    with fake_gpu("L4", cache_dir=triton_cache):
+        [untouched] = flex_configs("forward", 128, torch.float32)
+    install_guard(max_shared=65536)
+    with fake_gpu("L4", cache_dir=triton_cache):
+        [forward] = flex_configs("forward", 128, torch.float32)
+    # The A100 table's fp32 head dim 128: (128, 32), at least 81920 B at one stage.
+    assert (untouched.block_m, untouched.block_n) == (128, 32), "without smemguard, Inductor's own table"
+    assert (forward.block_m, forward.block_n, forward.num_stages) == (64, 16, untouched.num_stages)
+
+
+def test_the_one_stage_bound_is_the_measured_backward_and_under_the_measured_forward():
+    import torch
+    from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
+
+    from smemguard.patches import inductor_flex_configs as flex
+
+    # H200, Triton 3.6, torch 2.11 (docs/BENCHMARKS.md): backward D=256 bf16 (64, 64, 64, 64) at one stage
+    # 131072 B; forward D=256 fp32 (32, 32) at one stage 69632 B; forward D=128 bf16 (128, 64) 98304 B at two.
+    assert flex.one_stage_bytes("backward", FlexBwDConfig(64, 64, 64, 64, 1, 4), 256, torch.bfloat16) == 131072
+    assert flex.one_stage_bytes("forward", FlexConfig(32, 32, 1, 4), 256, torch.float32) <= 69632
+    assert flex.one_stage_bytes("forward", FlexConfig(128, 64, 2, 8), 128, torch.bfloat16) <= 98304
+    assert flex.one_stage_bytes("forward", FlexConfig(32, 32, 1, 4), 192, torch.float32) == \
+        flex.one_stage_bytes("forward", FlexConfig(32, 32, 1, 4), 256, torch.float32), "head dims pad to 2^n"
