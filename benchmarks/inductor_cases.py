@@ -36,6 +36,8 @@ import torch.nn.functional as F
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 OUT_OF_RESOURCE = re.compile(r"Required: ?(\d+),? Hardware limit: ?(\d+)")
 ERROR_CHARS = 400
+WARMUP_STEPS = 5  # untimed steady steps before the timed ones (allocator, clocks); they size the blocks
+BLOCK_S = 0.2  # a timed block runs back-to-back steps for about this long, synchronized at its ends only
 
 
 def _sync(device: str) -> None:
@@ -86,10 +88,19 @@ def _eager(fn, inputs: list[torch.Tensor], dtype, cotangent: torch.Tensor, backw
     return [out.detach()] + [t.grad for t in inputs if backward]
 
 
+def _steady_ms(device: str, step, blocks: int) -> float:
+    """Milliseconds per step, the median over ``blocks`` blocks of back-to-back steps (a training loop's
+    throughput; a step of about a millisecond is mostly host work, which a per-step sync would distort)."""
+    warmup_s, _ = _timed(device, lambda: [step() for _ in range(WARMUP_STEPS)])
+    steps = max(1, round(BLOCK_S * WARMUP_STEPS / warmup_s))
+    return statistics.median(_timed(device, lambda: [step() for _ in range(steps)])[0] * 1000 / steps
+                             for _ in range(blocks))
+
+
 def _run(case: dict, fn, inputs: list[torch.Tensor], cotangent: torch.Tensor, result: dict, reference=None) -> None:
     """Compile and run ``fn`` forward (then backward, unless the case says not), time it, and check it against
     ``reference`` (eager; default ``fn``) unless the workload is the unchecked MLP."""
-    device, iters, backward = case["device"], case["iters"], case["backward"]
+    device, blocks, backward = case["device"], case["blocks"], case["backward"]
     compiled = torch.compile(fn)
 
     def step():
@@ -107,7 +118,7 @@ def _run(case: dict, fn, inputs: list[torch.Tensor], cotangent: torch.Tensor, re
             result["backward_s"], _ = _timed(device, lambda: (out * cotangent).sum().backward())
         first = [out.detach()] + [t.grad.clone() for t in inputs if backward]
         phase = "steady"
-        result["run_ms"] = statistics.median(_timed(device, step)[0] * 1000 for _ in range(iters))
+        result["run_ms"] = _steady_ms(device, step, blocks)
         phase = "numerics"
         if case["workload"] != "mlp":
             dtype = inputs[0].dtype
@@ -133,6 +144,13 @@ def _flex(case: dict, result: dict) -> None:
 
 
 def _norm(case: dict, result: dict) -> None:
+    from torch._inductor import config
+
+    # Pipelined mix-order reductions (NUM_STAGES > 1), torch 2.13's default. torch 2.11 keeps them at one stage
+    # unless asked, where they need 32 B (fp32) to 8192 B (bf16) on the H200 and overflow nothing.
+    result["mix_order_multi_stages"] = hasattr(config.triton, "mix_order_reduction_allow_multi_stages")
+    if result["mix_order_multi_stages"]:
+        config.triton.mix_order_reduction_allow_multi_stages = True
     rows, cols = case["shape"]
     x, weight, bias = _leaves(case, [(rows, cols), (cols,), (cols,)])
     cotangent = torch.randn_like(x)
@@ -196,22 +214,26 @@ def _config_text(config) -> str:
 
 
 def _inductor_kernels() -> list[dict]:
-    """Every Inductor kernel alive in this process (CachingAutotuner), with the shared memory of each config
-    it loaded, or of each it compiled when none loaded."""
+    """Every Inductor kernel alive in this process (a CachingAutotuner; the same kernel may have several), once:
+    the configs it loaded with their shared memory, or, when none loaded, each config it compiled."""
     try:
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     except ImportError:
         return []
-    kernels = []
+    loaded, compiled = {}, {}
     # type(), not isinstance(): a dead weakref.proxy among the objects raises on __class__.
     for tuner in [obj for obj in gc.get_objects() if issubclass(type(obj), CachingAutotuner)]:
         name = tuner.inductor_meta.get("kernel_name") or getattr(tuner.fn, "__name__", "?")
-        if tuner.launchers:
-            kernels += [{"kernel": name, "config": _config_text(launcher.config), "loaded": True,
-                         "shared": getattr(launcher, "shared", None)} for launcher in tuner.launchers]
-        else:
-            kernels += [{"kernel": name, "config": _config_text(result.config), "loaded": False,
-                         "shared": _shared_of(result)} for result in tuner.compile_results]
+        kernel = name, getattr(tuner.fn, "src", None)  # the forward and backward graphs may reuse a name
+        for launcher in tuner.launchers:
+            loaded[kernel, _config_text(launcher.config)] = getattr(launcher, "shared", None)
+        for result in tuner.compile_results:
+            compiled[kernel, _config_text(result.config)] = _shared_of(result)
+    kernels_loaded = {kernel for kernel, _ in loaded}
+    kernels = [{"kernel": kernel[0], "config": config, "loaded": True, "shared": shared}
+               for (kernel, config), shared in loaded.items()]
+    kernels += [{"kernel": kernel[0], "config": config, "loaded": False, "shared": shared}
+                for (kernel, config), shared in compiled.items() if kernel not in kernels_loaded]
     return sorted(kernels, key=lambda kernel: -(kernel["shared"] or 0))
 
 

@@ -10,20 +10,23 @@ and ``TRITON_CACHE_DIR`` (no compiled kernel, FX graph or autotune result carrie
   compiles for this GPU). Limits ``RTX4090`` (101376 B) and ``T4`` (65536 B) through
   ``SMEMGUARD_MAX_SHARED``;
 - ``rmsnorm`` / ``layernorm`` (16384 x 8192): the backward's mix-order persistent reduction (``triton_per_*``
-  with ``NUM_STAGES``), the kind of pytorch #175250, at the H200's own limit, RTX4090 and T4;
+  with ``NUM_STAGES``, pipelined as torch 2.13 does by default), the kind of pytorch #175250, at the H200's own
+  limit, RTX4090 and T4;
 - two modes each: ``plain`` (``SMEMGUARD=observe``: the emulated limit is enforced, nothing changes what
   runs) and ``smemguard`` (``SMEMGUARD=on``);
 - ``healthy``: an MLP + layer norm + softmax in bf16 and flex attention D=64 fp16, each ``off`` (smemguard not
-  imported) and ``on`` (installed, no emulated limit), side by side: compile time and steady run time.
+  imported) and ``on`` (installed, no emulated limit), one process at a time before the matrix, alternating
+  (``--healthy-repeats`` times): compile time and steady run time side by side, and their ratio.
 
 Outcome per case: ``ok`` (compiled, ran, and within FlexAttention's own test tolerance, see inductor_cases.py),
 ``wrong``, ``fail`` (the exception: type, first line, Required/limit), ``timeout`` or ``crash``. Also: forward
 and backward compile seconds (first call each), median steady step time, the incident records and their
 actions, recovery compiles and seconds from the records, the FlexAttention configs Inductor's heuristic
 returned, and every Inductor kernel the case loaded with its shared memory: a loaded kernel over the emulated
-limit means the emulation did not reach it (``leak`` in the table).
+limit means the emulation did not reach it (``LEAK`` in the table).
 
     python benchmarks/inductor_matrix.py --out DIR [--jobs 12] [--only SUBSTRING[,SUBSTRING]] [--limit T4,...]
+                                         [--healthy-repeats N]
     python benchmarks/inductor_matrix.py --dry-run          # the case list
     python benchmarks/inductor_matrix.py --device cpu --out DIR   # a tiny smoke run of the plumbing, no GPU
     python benchmarks/inductor_matrix.py --report DIR/inductor_matrix.json
@@ -41,6 +44,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,15 +87,15 @@ class Case:
         return f"{self.pair}-{self.mode}"
 
 
-def _spec(workload: str, dtype: str, device: str, iters: int, smemguard: bool, head_dim: int | None = None,
+def _spec(workload: str, dtype: str, device: str, blocks: int, smemguard: bool, head_dim: int | None = None,
           choice: str | None = None) -> dict:
     shape = SHAPES[workload][device == "cpu"]
     return {"workload": workload, "dtype": dtype, "shape": [*shape, head_dim] if head_dim else list(shape),
-            "choice": choice, "device": device, "iters": iters, "smemguard": smemguard,
+            "choice": choice, "device": device, "blocks": blocks, "smemguard": smemguard,
             "backward": not (workload == "flex" and device == "cpu")}  # FlexAttention has no CPU backward
 
 
-def build_cases(device: str, iters: int, limits: list[str] | None) -> list[Case]:
+def build_cases(device: str, blocks: int, limits: list[str] | None, healthy_repeats: int = 1) -> list[Case]:
     """The full matrix on a GPU; on the CPU one case of each group (tiny shapes), to exercise the plumbing."""
     cases = []
     flex_limits, reduction_limits = (limits, limits) if limits else (FLEX_LIMITS, REDUCTION_LIMITS)
@@ -102,19 +106,21 @@ def build_cases(device: str, iters: int, limits: list[str] | None) -> list[Case]
                 for dtype in ("fp32",) if smoke else DTYPES:
                     for mode in MATRIX_MODES:
                         cases.append(Case(f"flex-D{head_dim}-{dtype}-{choice}-{limit}", "flex", mode, limit,
-                                          _spec("flex", dtype, device, iters, True, head_dim, choice)))
+                                          _spec("flex", dtype, device, blocks, True, head_dim, choice)))
     for limit in reduction_limits[:1] if smoke else reduction_limits:
         for workload, dtype in REDUCTIONS[:1] if smoke else REDUCTIONS:
             cols = SHAPES[workload][smoke][1]
             for mode in MATRIX_MODES:
                 cases.append(Case(f"{workload}-N{cols}-{dtype}-{limit}", "reduction", mode, limit,
-                                  _spec(workload, dtype, device, iters, True)))
-    healthy = [("mlp", _spec("mlp", "fp32" if smoke else "bf16", device, iters * 5, False))]
+                                  _spec(workload, dtype, device, blocks, True)))
+    healthy = [("mlp", _spec("mlp", "fp32" if smoke else "bf16", device, blocks * 4, False))]
     if not smoke:
-        healthy.append(("flex-D64-fp16", _spec("flex", "fp16", device, iters * 5, False, 64, "h200")))
-    for name, spec in healthy:
-        for mode in HEALTHY_MODES:
-            cases.append(Case(f"healthy-{name}", "healthy", mode, None, {**spec, "smemguard": mode != "off"}))
+        healthy.append(("flex-D64-fp16", _spec("flex", "fp16", device, blocks * 4, False, 64, "h200")))
+    for repeat in range(1, healthy_repeats + 1):
+        for name, spec in healthy:
+            for mode in HEALTHY_MODES:
+                cases.append(Case(f"healthy-{name}-{repeat}", "healthy", mode, None,
+                                  {**spec, "smemguard": mode != "off"}))
     return cases
 
 
@@ -233,20 +239,36 @@ def print_kernels(records: list[dict]) -> None:
                       f"{kernel['config']}")
 
 
+def _compile_s(record: dict) -> float | None:
+    return None if record.get("backward_s") is None else record["forward_s"] + record["backward_s"]
+
+
 def print_healthy(records: list[dict]) -> None:
-    by_pair = collections.defaultdict(dict)
+    """Per healthy workload: the median over repeats of compile seconds and run ms, off and on, and their ratio
+    (with the range of the repeats' own ratios when there are several)."""
+    runs = collections.defaultdict(lambda: collections.defaultdict(dict))  # workload -> repeat -> mode -> record
     for record in records:
         if record["group"] == "healthy":
-            by_pair[record["pair"]][record["mode"]] = record
-    print(f"\n# healthy compile: smemguard off (not imported) vs on (installed, no emulated limit)\n"
-          f"{'workload':24} {'compile s off':>13} {'on':>7} {'ratio':>6} {'run ms off':>10} {'on':>8} {'ratio':>6}")
-    for pair, modes in sorted(by_pair.items()):
-        off, on = modes.get("off", {}), modes.get("on", {})
-        compile_s = [None if r.get("backward_s") is None else r["forward_s"] + r["backward_s"] for r in (off, on)]
-        run_ms = [r.get("run_ms") for r in (off, on)]
-        ratios = [b / a if a and b else None for a, b in (compile_s, run_ms)]
-        print(f"{pair:24} {_fmt(compile_s[0]):>13} {_fmt(compile_s[1]):>7} {_fmt(ratios[0], 2):>6} "
-              f"{_fmt(run_ms[0], 3):>10} {_fmt(run_ms[1], 3):>8} {_fmt(ratios[1], 2):>6}")
+            workload, _, repeat = record["pair"].rpartition("-")
+            if not repeat.isdigit():  # a results file of before --healthy-repeats
+                workload, repeat = record["pair"], "1"
+            runs[workload][repeat][record["mode"]] = record
+    print(f"\n# healthy compile: smemguard off (not imported) vs on (installed, no emulated limit), medians of n runs\n"
+          f"{'workload':22} {'n':>2} {'compile s off':>13} {'on':>6} {'ratio':>17} {'run ms off':>10} {'on':>7} "
+          f"{'ratio':>17}")
+    for workload, repeats in sorted(runs.items()):
+        columns = []
+        for measure in (_compile_s, lambda record: record.get("run_ms")):
+            pairs = [(measure(modes.get("off", {})), measure(modes.get("on", {}))) for modes in repeats.values()]
+            pairs = [(off, on) for off, on in pairs if off and on]
+            if not pairs:
+                columns.append(f"{'-':>13} {'-':>6} {'-':>17}")
+                continue
+            off, on = (statistics.median(side) for side in zip(*pairs))
+            ratios = [b / a for a, b in pairs]
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+            columns.append(f"{off:13.3f} {on:6.3f} {f'{on / off:.2f}{spread}':>17}")
+        print(f"{workload:22} {len(repeats):>2} {columns[0]} {columns[1]}")
 
 
 def print_report(results: dict) -> None:
@@ -293,7 +315,11 @@ def main() -> int:
                         "separated) for every flex and reduction case, instead of RTX4090,T4 / H200,RTX4090,T4")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of one tiny case per group (Inductor's C++ kernels, no limit)")
-    parser.add_argument("--iters", type=int, default=10, help="steady steps timed per case (healthy: 5x)")
+    parser.add_argument("--blocks", type=int, default=5, help="timed blocks of steady steps (about 0.2 s each) per "
+                        "case; the healthy cases 4x; run time is the median block's time per step")
+    parser.add_argument("--healthy-repeats", type=int, default=1,
+                        help="run each healthy off/on pair this many times, alternating (default 1; one pair's "
+                             "ratios vary by about 15%% from run to run on the H200)")
     parser.add_argument("--compile-threads", type=int, default=2,
                         help="TORCHINDUCTOR_COMPILE_THREADS per case (default 2: Inductor's worker pool, "
                              "without --jobs x cores workers)")
@@ -308,9 +334,9 @@ def main() -> int:
             print(f"--report {args.report}: not a results file of this script ({error})", file=sys.stderr)
             return 2
         return 0
-    if args.jobs < 1 or args.iters < 1 or args.compile_threads < 1:
-        parser.error("--jobs, --iters and --compile-threads must be at least 1")
-    cases = _selected(build_cases(args.device, args.iters, args.limit), args.only)
+    if min(args.jobs, args.blocks, args.compile_threads, args.healthy_repeats) < 1:
+        parser.error("--jobs, --blocks, --healthy-repeats and --compile-threads must be at least 1")
+    cases = _selected(build_cases(args.device, args.blocks, args.limit, args.healthy_repeats), args.only)
     if args.dry_run:
         for case in cases:
             print(f"{case.id:48} SMEMGUARD_MAX_SHARED={case.limit or '-':8} {json.dumps(case.spec)}")
@@ -324,14 +350,14 @@ def main() -> int:
     results = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
                         "jobs": args.jobs, "compile_threads": args.compile_threads, "cpus": os.cpu_count()},
                "cases": []}
-    # Healthy cases first and alone, side by side: their compile times are not disturbed by the matrix.
+    # Healthy cases first, one at a time (a GPU shared with another process would time both): off, on, off, on.
     healthy = [case for case in cases if case.group == "healthy"]
     matrix = sorted((case for case in cases if case.group != "healthy"),
                     key=lambda case: (case.group != "reduction", -(case.spec["shape"][-1])))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="inductor-matrix-") as scratch:
-        for batch in (healthy, matrix):
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(args.jobs, len(batch)))) as pool:
+        for batch, jobs in ((healthy, 1), (matrix, args.jobs)):
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
                 futures = [pool.submit(run_case, case, Path(scratch), args.out, args.compile_threads,
                                        args.case_timeout) for case in batch]
                 for future in concurrent.futures.as_completed(futures):
