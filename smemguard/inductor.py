@@ -14,9 +14,10 @@ launcher and its autotuning treat it as one of its own. In order:
    the same result;
    fewer ``num_warps`` when it is threads that do not fit;
 2. for pointwise and reduction kernels, whose launch grid Inductor computes from the config's blocks
-   (``XBLOCK``, ``YBLOCK``; ``R0_BLOCK`` where the reduction loops), half the largest block, down to 1:
-   the same elements, each reduced in the same order within its row (a persistent reduction keeps its
-   whole row in one block and is never split).
+   (``XBLOCK``, ``YBLOCK``; ``R0_BLOCK`` where the reduction loops), half the largest block, down to 1. A
+   pointwise kernel computes the same elements, bitwise the same; a reduction may add in another order
+   (as between the configs Inductor itself autotunes for it); a persistent reduction keeps its whole row in
+   one block, which is never split.
 
 Templates (FlexAttention, matmul) render their tiles into the source: only their stages change here.
 A config that fits is never touched: recovery starts only when Inductor found none. Every candidate is
