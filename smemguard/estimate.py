@@ -106,7 +106,9 @@ CALIBRATED_OPERANDS = ("fp16", "bf16", "fp32")
 _TILE_NAME = re.compile(r"^(?:BLOCK|BLOCK_SIZE|TILE|TILE_SIZE)_?([MNK])$|^B([MNK])$")
 
 
-def _tiles(constexprs: dict) -> tuple[int, int, int] | None:
+def matmul_tiles(constexprs: dict) -> tuple[int, int, int] | None:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a matmul-like kernel's constexprs (``BLOCK_SIZE_M``, ``TILE_M``, ``BM``...),
+    or None when it does not name all three."""
     dims: dict[str, int] = {}
     for name, value in constexprs.items():
         match = _TILE_NAME.match(name)
@@ -199,7 +201,7 @@ def _through_registers(element: int, a_tile: int, b_tile: int, epilogue: int) ->
 
 def _in_domain(arch, constants: dict, pointer_types: list[str], stages: int, warps: int):
     """(bytes per operand element, (BLOCK_M, BLOCK_N, BLOCK_K)) inside the calibrated domain, else None."""
-    tiles = _tiles(constants)
+    tiles = matmul_tiles(constants)
     if arch not in CALIBRATED_ARCHS or tiles is None or not pointer_types:
         return None
     operand = pointer_types[0]

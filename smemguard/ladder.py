@@ -195,14 +195,10 @@ def _constexprs(launch: Launch) -> dict:
 #: The element type of a pointer (``*fp16``) or of a TMA descriptor (``tensordesc<fp16[64, 64]>``) argument.
 _OPERAND_TYPE = re.compile(r"^(?:\*|tensordesc<)(\w+)")
 
-_MATMUL_TILE = re.compile(r"^(?:BLOCK|BLOCK_SIZE|TILE|TILE_SIZE)_?([MNK])$")
-
-
 def _stage_elements(config) -> int | None:
     """BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N: the elements one pipeline stage of a matmul-like config holds."""
-    dims = {match.group(1): value for name, value in config.kwargs.items()
-            if (match := _MATMUL_TILE.match(name)) and _is_tile(name, value)}
-    return dims["M"] * dims["K"] + dims["K"] * dims["N"] if len(dims) == 3 else None
+    tiles = estimate.matmul_tiles(config.kwargs)
+    return tiles[0] * tiles[2] + tiles[2] * tiles[1] if tiles is not None else None
 
 
 def _order(configs: list, reference, limit: int) -> list:
