@@ -2,7 +2,7 @@
 
 :func:`handle` resolves the launch (:mod:`smemguard.launch`), takes a decision once per
 failing compiled kernel (remembered from another process, :mod:`smemguard.decisions`, or
-found by trying candidates, :mod:`smemguard.ladder`), writes the incident record
+found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by :mod:`smemguard.recall`), writes the incident record
 (:mod:`smemguard.incidents`) and applies the decision. Concurrent threads meeting the same
 failure wait for one decision under a lock and all apply it.
 
@@ -23,7 +23,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from . import decisions, incidents, introspect, ladder, registry, runtime
+from . import decisions, incidents, introspect, ladder, recall, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 
@@ -59,9 +59,9 @@ def forget() -> None:
     runtime.drop_replacements()
 
 
-def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
+def remembered_options(jit, jit_key: str, device: int, options, settings) -> dict | None:
     """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
-    return decisions.remembered_options(jit, jit_key, device, settings.cache_dir)
+    return recall.remembered_options(jit, jit_key, device, options, settings.cache_dir)
 
 
 def _apply(decision: Decision, launch: Launch, failing, error):
@@ -86,11 +86,11 @@ def _decide(launch: Launch, failing, error, settings) -> Decision:
     """The decision for this failure: one stored by any process for the same case, else a new one (stored)."""
     store = decisions.store(settings.cache_dir)
     cases = decisions.cases_for(launch, failing) if store is not None else None
-    decision = decisions.recall(launch, cases, store) if cases else None
+    decision = recall.recall(launch, failing, cases, store) if cases else None
     if decision is None:
         decision = ladder.decide(launch, failing, error)
         if cases:
-            decision = decisions.remember(launch, decision, cases, store)
+            decision = recall.remember(launch, failing, decision, cases, store)
     return decision
 
 
