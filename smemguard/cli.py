@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import files, gpus, untrusted
+from . import files, gpus, runtime, untrusted
 from ._version import __version__
 
 DESCRIPTION = """\
@@ -141,7 +141,8 @@ def _replay(args) -> int:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2
     try:
-        return replay.replay(found.fields, limit, print)
+        with runtime.quiet_triton():
+            return replay.replay(found.fields, limit, print)
     except replay.ReplayError as error:
         print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
         print("smemguard replay: fix: replay another record (--index N, --kernel TEXT), or correct that line",
@@ -330,8 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "alignment (random values), and launches the recorded config with the recorded grid. On a GPU: "
                     "reproduces the OutOfResources under the recorded limit (emulated), shows what smemguard does, "
                     "and checks the recovered output against the original config run without emulation. Without a "
-                    "GPU: compiles for the recorded arch and prints the bytes each candidate needs. The record is "
-                    "checked first: each field replay cannot use is named.",
+                    "GPU: compiles for the recorded arch (NVIDIA or AMD) and prints the bytes each candidate needs. "
+                    "The record is checked first: each field replay cannot use is named. The record names the "
+                    "module replay imports, and importing a module runs its code: replay only records you trust "
+                    "as you would their code.",
         epilog=REPLAY_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     again.add_argument("file", type=Path, metavar="FILE", help="incident file (.jsonl or .jsonl.gz)")
     which = again.add_mutually_exclusive_group()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import sys
 import threading
 from collections import Counter

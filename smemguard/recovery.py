@@ -17,6 +17,7 @@ Internal failures are logged and end in re-raising the user's error itself, neve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -71,15 +72,27 @@ def _apply(decision: Decision, launch: Launch, failing, error):
     if decision.action == CONFIG_CHANGED:
         return with_config(launch, decision.config).relaunch()
     if decision.action == FALLBACK:
-        try:
-            decision.fallback(**launch.named_args())
-        except Exception as fallback_error:
-            incidents.add_note(error, f"smemguard: the registered fallback {introspect.callable_name(decision.fallback)} "
-                                      f"raised {type(fallback_error).__name__}: {fallback_error}")
+        fallback_error = _run_fallback(decision, launch)
+        if fallback_error is not None:
+            incidents.add_note(error, f"smemguard: {_fallback_failure(decision, fallback_error)}")
             raise error from fallback_error
         return None
     incidents.add_note(error, lambda: incidents.explain(launch, decision, error))
     raise error
+
+
+def _run_fallback(decision: Decision, launch: Launch) -> Exception | None:
+    """Run the registered fallback in place of the launch; the exception it raised, if any."""
+    try:
+        decision.fallback(**launch.named_args())
+    except Exception as fallback_error:
+        return fallback_error
+    return None
+
+
+def _fallback_failure(decision: Decision, fallback_error: Exception) -> str:
+    return (f"the registered fallback {introspect.callable_name(decision.fallback)} raised "
+            f"{type(fallback_error).__name__}: {fallback_error}")
 
 
 def _decide(launch: Launch, failing, error, settings) -> Decision:
@@ -171,6 +184,16 @@ def handle(launched, grid, args, kwargs, error, settings):
                 log.warning("smemguard: internal error while recovering %s; re-raising the original error",
                             introspect.kernel_name(launch.jit), exc_info=True)
                 raise error
+            if decision.action == FALLBACK:  # recorded as what happened: the fallback ran, or it raised
+                fallback_error = _run_fallback(decision, launch)
+                recorded = decision if fallback_error is None else dataclasses.replace(
+                    decision, action=RERAISED, reason=_fallback_failure(decision, fallback_error))
+                case.decision = dataclasses.replace(decision, record=incidents.record_launch(
+                    launch, launched, failing, error, recorded, started, settings.log_path, described).record)
+                if fallback_error is None:
+                    return None
+                incidents.add_note(error, f"smemguard: {recorded.reason}")
+                raise error from fallback_error
             case.decision = incidents.record_launch(launch, launched, failing, error, decision, started,
                                                     settings.log_path, described)
     return _apply(case.decision, launch, failing, error)

@@ -56,7 +56,10 @@ def valid(result) -> bool:
 
 
 def default_cache() -> ResultCache:
+    """``SMEMGUARD_CACHE_DIR/preflight``; no cache when the setting is off or unusable (its problem line
+    says so): the default directory is never written in place of the one the user named."""
     from .. import settings
 
-    directory = settings.current().cache_dir
-    return ResultCache(directory / "preflight" if directory is not None else None)
+    current = settings.current()
+    usable = current.cache_dir is not None and not current.ignored(settings.CACHE_DIR)
+    return ResultCache(current.cache_dir / "preflight" if usable else None)
