@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
-import itertools
 import json
 import os
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 
-from . import gpus, runtime, untrusted
+from . import files, gpus, runtime, untrusted
 from ._version import __version__
 
 DESCRIPTION = """\
@@ -85,177 +81,10 @@ def _gpus(args) -> int:
     return 0
 
 
-def _step(text: str) -> float:
-    print(text, flush=True)
-    return time.perf_counter()
-
-
-def _done(started: float, result: str) -> None:
-    print(f"   -> {result} ({time.perf_counter() - started:.1f} s)", flush=True)
-
-
-def _appended_record(path: Path, offset: int) -> dict | None:
-    """The first incident record written to ``path`` past ``offset`` bytes (the demo's own)."""
-    try:
-        with open(path, "rb") as log:
-            log.seek(offset)
-            first = log.readline().decode("utf-8", "replace")
-    except OSError:
-        return None
-    record, _ = untrusted.loads(first)
-    return record if isinstance(record, dict) else None
-
-
-def _stages(count: int) -> str:
-    return f"{count} stage" + ("" if count == 1 else "s")
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoScenario:
-    """How the demo makes an autotuned matmul's cached winner overflow one GPU."""
-
-    tuned_on: gpus.Gpu  # where the autotuner timed the configs and chose the winner
-    misaligned: bool  # tuned on misaligned views of the launch's shape (else on the same tensors)
-    dtype: str  # of the matmul's tensors: "fp16", "fp32"
-    configs: list  # [the winner, which overflows the GPU at the launch, a config that fits]
-
-
-def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
-    """The demo's configs for ``gpu`` (any GPU of :mod:`smemguard.gpus`); the tests run each.
-
-    From sm_80 on, Triton multi-buffers the operand tiles in shared memory through asynchronous
-    copies, which need 16-byte-aligned pointers: tuned on misaligned views, the 5-stage winner
-    fits (fp16 128x128x64: 81920 B on sm_89), and on aligned tensors of the same shape, the same
-    autotune key, it overflows (131072 B > 101376; 128x256x64 for the 160+ KiB GPUs); 4 stages
-    fit. The V100 and the T4 have no asynchronous copies: shared memory holds one tile of each
-    operand whatever the alignment and the stage count, so the winner is one chosen on an A100, as
-    a tuning result carried to another GPU (a tuning database, a config file) would be: fp32
-    32x32x512, 131072 B, which fits the A100's 166912 B (fp32 keeps the tile, and the compile, small).
-
-    On gfx90a and gfx942 Triton's stream pipeliner leaves the misaligned A tile out of LDS: the
-    4-stage fp16 128x128x64 winner needs 65536 B on misaligned views and 98304 B aligned (S-1
-    stages); 3 stages fit. gfx1100 (from Triton 3.6) and gfx950 (3.6; from 3.8 async copies straight
-    into LDS) pipeline misaligned loads too, so there the winner is one tuned on an H100: fp16
-    32x32x512 at 4 stages, 196608 B on sm_90 (of 232448), over the LDS of both (196608 B; 272304 B
-    on gfx950 with Triton 3.9); 2 or 3 stages fit. Measured on Triton 3.4, 3.6 and 3.9.
-    """
-    import triton
-
-    def config(block_m, block_n, block_k, stages):
-        return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), num_stages=stages, num_warps=4)
-
-    if gpu.backend == "hip":
-        if gpu.arch in ("gfx90a", "gfx942"):
-            return DemoScenario(gpu, True, "fp16", [config(128, 128, 64, 4), config(64, 64, 32, 2)])
-        return DemoScenario(gpus.lookup("H100"), False, "fp16", [config(32, 32, 512, 4), config(64, 64, 32, 2)])
-    if gpu.capability >= 80:
-        block_n = 256 if gpu.max_shared > 160000 else 128
-        return DemoScenario(gpu, True, "fp16", [config(128, block_n, 64, 5), config(64, block_n // 2, 32, 2)])
-    return DemoScenario(gpus.lookup("A100"), False, "fp32", [config(32, 32, 512, 1), config(32, 32, 64, 1)])
-
-
 def _demo(args) -> int:
-    with runtime.quiet_triton():
-        return _run_demo(args)
+    from . import demo
 
-
-def _run_demo(args) -> int:
-    gpu = gpus.lookup(args.gpu)
-    if gpu is None:
-        print(f"smemguard demo: {args.gpu!r} is not a GPU from 'smemguard gpus'; one of: "
-              f"{', '.join(gpus.names())}", file=sys.stderr)
-        return 2
-    if gpu.backend == "hip":
-        from .preflight.compiling import hip_compile_problem
-
-        problem = hip_compile_problem()
-        if problem is not None:
-            print(f"smemguard demo: cannot compile for the {gpu.name} ({gpu.arch}) here: {problem}", file=sys.stderr)
-            return 2
-    import torch
-    import triton
-    from triton.runtime.errors import OutOfResources
-
-    import smemguard
-    from .examples import autotuned_matmul, matmul_args, tiled_grid
-    from .settings import MAX_SHARED, MODE, SettingsError
-    from .testing import fake_gpu
-
-    settings = args.settings
-    scenario = demo_scenario(gpu)
-    n, dtype = 512, {"fp16": torch.float16, "fp32": torch.float32}[scenario.dtype]
-    storage = torch.empty(n * n + 8, dtype=dtype)
-    aligned, misaligned = storage[: n * n].view(n, n), storage[1: n * n + 1].view(n, n)
-    b, c = torch.empty(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-    grid = tiled_grid(n, n)
-    big = scenario.configs[0]
-    memory = "of shared memory per block" if gpu.backend == "cuda" else "of LDS (shared memory) per workgroup"
-    print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
-          f"({gpu.arch}, {gpu.max_shared} B {memory}); no kernel executes.")
-    if settings.max_shared is not None:
-        print(f"({MAX_SHARED} does not apply here: --gpu sets the limit.)")
-    print()
-    tuned = autotuned_matmul(scenario.configs)
-    views = "misaligned views" if scenario.misaligned else "16-byte-aligned tensors"
-    elsewhere = scenario.tuned_on != gpu
-    with fake_gpu(scenario.tuned_on.name) as device:
-        # The fastest-looking config is the big one, as it would be on the GPU it was tuned for.
-        timings = itertools.chain([1.0, 2.0], itertools.repeat(1.0))
-        device.bench_ms = lambda: next(timings)
-        where = f" on a stand-in {scenario.tuned_on.name} (tuned elsewhere)" if elsewhere else ""
-        started = _step(f"1. autotune a {n}x{n} {scenario.dtype} matmul over {len(scenario.configs)} configs on "
-                        f"{views}{where}")
-        tuned[grid](*matmul_args(misaligned if scenario.misaligned else aligned, b, c))
-        won = device.launches[-1]
-        _done(started, f"winner {big.kwargs['BLOCK_M']}x{big.kwargs['BLOCK_N']}x{big.kwargs['BLOCK_K']}, "
-                       f"{_stages(won.num_stages)}, {won.shared} B")
-
-    with fake_gpu(gpu.name) as device, tempfile.TemporaryDirectory(prefix="smemguard-demo-") as scratch:
-        what = f"on the {gpu.name} (the autotuner keeps its choice)" if elsewhere else "with 16-byte-aligned tensors"
-        started = _step(f"2. the same shape {what}, without smemguard")
-        try:
-            tuned[grid](*matmul_args(aligned, b, c))
-            _done(started, "it fit: nothing to show on this GPU (a bug in the demo's configs: please report it)")
-            return 1
-        except OutOfResources as error:
-            _done(started, f"OutOfResources: {error.name}, Required: {error.required}, Hardware limit: {error.limit}")
-
-        incidents = settings.log_path or Path(scratch) / "incidents.jsonl"
-        offset = incidents.stat().st_size if incidents.exists() else 0
-        try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
-            smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
-                                                  log_path=incidents, problems=()))
-        except SettingsError as error:  # strict mode, and smemguard cannot guard this Triton
-            print(f"smemguard demo: {error}", file=sys.stderr)
-            return 2
-        try:
-            started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
-            try:
-                tuned[grid](*matmul_args(aligned, b, c))
-            except OutOfResources:
-                _done(started, "OutOfResources again: " + ("smemguard is off, nothing installed" if not
-                      settings.enabled else "observe mode records the incident and changes nothing"))
-            else:
-                fixed = device.launches[-1]
-                _done(started, f"ran with {_stages(fixed.num_stages)}, {fixed.shared} B, grid {fixed.grid}")
-                started = _step("4. again (remembered: no exception, no compile)")
-                tuned[grid](*matmul_args(aligned, b, c))
-                _done(started, f"ran with {_stages(device.launches[-1].num_stages)}")
-        finally:
-            smemguard.uninstall()
-        record = _appended_record(incidents, offset)
-    if record is None:
-        print(f"\nno incident record ({MODE}=off)" if not settings.enabled else
-              f"\nno incident record could be written to {incidents} (see the warning above)")
-        return 0
-    where = incidents if settings.log_path else "a temporary file, now removed; set SMEMGUARD_LOG to keep it"
-    print(f"\nincident record ({where}):")
-    for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
-        print(f"  {field:12} {record.get(field)}")
-    for number, attempt in enumerate(record.get("attempts") or []):
-        print(f"  {'attempts' if number == 0 else '':12} {attempt.get('changes') or attempt['config']}: "
-              f"{attempt['required']} B")
-    return 0
+    return demo.run(args.gpu, args.settings)
 
 
 def _report(args) -> int:
@@ -312,7 +141,8 @@ def _replay(args) -> int:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2
     try:
-        return replay.replay(found.fields, limit, print)
+        with runtime.quiet_triton():
+            return replay.replay(found.fields, limit, print)
     except replay.ReplayError as error:
         print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
         print("smemguard replay: fix: replay another record (--index N, --kernel TEXT), or correct that line",
@@ -373,7 +203,7 @@ def _cache(args) -> int:
               file=sys.stderr)
         return 2
     except OSError as error:
-        print(f"{command}: cannot read {shown_path}: {error.strerror or error}", file=sys.stderr)
+        print(f"{command}: {_unreadable(store.path, error)}; nothing was changed", file=sys.stderr)
         return 2
     status = 0
     try:
@@ -388,7 +218,7 @@ def _cache(args) -> int:
             if args.action == "show":
                 _show(data, store.path, args.json)
             else:
-                Path(args.file).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                _export(Path(args.file), json.dumps(data, indent=1, sort_keys=True) + "\n")
                 count = sum(len(data[kind]) for kind in decisions.KINDS)
                 print(f"exported {count} decisions from {shown_path} to {untrusted.printable(args.file)}")
         elif args.action == "clear":
@@ -398,23 +228,42 @@ def _cache(args) -> int:
                 print(f"forgot {store.clear()} decisions in {shown_path}")
         else:
             return _import(command, store, Path(args.file))
+    except files.Refused as refusal:
+        print(f"{command}: {untrusted.printable(str(refusal))}", file=sys.stderr)
+        return 2
     except OSError as error:
-        print(f"{command}: {error.strerror or error}" + (f": {untrusted.printable(error.filename)}"
+        print(f"{command}: {error.strerror or error}" + (f": {untrusted.printable(str(error.filename))}"
                                                           if error.filename else ""), file=sys.stderr)
         return 2
     return status
+
+
+def _unreadable(path: Path, error: OSError) -> str:
+    """One line saying why ``path`` could not be read (``error`` from :mod:`smemguard.files`)."""
+    if isinstance(error, files.Refused):
+        return untrusted.printable(str(error))
+    return f"cannot read {untrusted.printable(str(path))}: {error.strerror or error}"
+
+
+def _export(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole (a temporary file renamed over it); a path that exists and is
+    not a regular file is refused, never opened."""
+    if path.exists() and not path.is_file():
+        raise files.Refused(0, f"{path} is not a regular file; nothing exported")
+    files.replace(path, text, mode=0o644)
 
 
 def _import(command: str, store, source: Path) -> int:
     from . import decisions
 
     shown_source = untrusted.printable(str(source))
-    text, unreadable = untrusted.read_text(source)
-    if unreadable is not None:
-        print(f"{command}: {unreadable}; nothing imported", file=sys.stderr)
+    try:
+        raw = files.read_bytes(source, decisions.MAX_FILE)
+    except OSError as error:
+        print(f"{command}: {_unreadable(source, error)}; nothing imported", file=sys.stderr)
         return 2
     try:
-        data, dropped = decisions.parse(text)
+        data, dropped = decisions.parse(raw)
     except ValueError as error:
         print(f"{command}: {shown_source} is not a smemguard decision file ({error}); nothing imported. Fix: "
               "export one with 'smemguard cache export FILE' on the host that learned the decisions",
@@ -482,8 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "alignment (random values), and launches the recorded config with the recorded grid. On a GPU: "
                     "reproduces the OutOfResources under the recorded limit (emulated), shows what smemguard does, "
                     "and checks the recovered output against the original config run without emulation. Without a "
-                    "GPU: compiles for the recorded arch and prints the bytes each candidate needs. The record is "
-                    "checked first: each field replay cannot use is named.",
+                    "GPU: compiles for the recorded arch (NVIDIA or AMD) and prints the bytes each candidate needs. "
+                    "The record is checked first: each field replay cannot use is named. The record names the "
+                    "module replay imports, and importing a module runs its code: replay only records you trust "
+                    "as you would their code.",
         epilog=REPLAY_EXIT, formatter_class=argparse.RawDescriptionHelpFormatter)
     again.add_argument("file", type=Path, metavar="FILE", help="incident file (.jsonl or .jsonl.gz)")
     which = again.add_mutually_exclusive_group()

@@ -32,7 +32,8 @@ MI355X, ...) ship in its wheel, and each compile stops once Triton has allocated
 
 Exit status: 0 when every kernel has a fitting config on every GPU in every specialization,
 1 when some kernel has none on some GPU (it would raise OutOfResources there whatever the
-autotuner picks), 2 on a usage error. Use it to gate a deploy.
+autotuner picks), 2 on a usage error, a target that cannot be read or imported, or a kernel whose
+every config fails to compile for another reason (each error named). Use it to gate a deploy.
 
 Verdicts are measured by compiling, except clear cases of matmul-like configs, which a
 calibrated estimate decides (shown with ~; --exact compiles everything). Results are cached in
@@ -138,6 +139,16 @@ def _overrides(args) -> dict:
     return overrides
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of processes, not {text!r}")
+    return value
+
+
 def add_check_command(subparsers) -> argparse.ArgumentParser:
     """Add ``check`` to an argparse subparsers object; the parsed namespace runs with :func:`run_check`."""
     parser = subparsers.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG,
@@ -161,7 +172,7 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", metavar="TYPE", help="element type of pointer arguments (default fp16)")
     parser.add_argument("--sig", action="append", metavar="NAME=TYPE,...", help="argument types (scale=fp32)")
     parser.add_argument("--exact", action="store_true", help="compile every config (no estimated verdicts)")
-    parser.add_argument("--jobs", type=int, metavar="N",
+    parser.add_argument("--jobs", type=_positive, metavar="N",
                         help=f"compiler processes (default: the CPU count, {os.cpu_count()} here)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write cached results")
     parser.add_argument("--json", action="store_true", help="print the JSON document (schema smemguard.check/1)")

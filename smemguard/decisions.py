@@ -1,4 +1,5 @@
-"""Decisions persisted in ``SMEMGUARD_CACHE_DIR/decisions.json``, shared by every process on the host.
+"""Decisions persisted in ``SMEMGUARD_CACHE_DIR/decisions.json``, shared by every process on the host:
+the file, its schema, and the encoding of a decision as an entry (:mod:`smemguard.recall` applies them).
 
 A decision says what replaces a failing launch on one GPU model at one limit. There are two
 kinds, because they are applied at two different moments:
@@ -11,38 +12,43 @@ kinds, because they are applied at two different moments:
   keyed by the autotuner key. Applied at the first failing launch, without trying candidates.
 
 The file is JSON (never pickle), read again whenever it changed on disk, and written
-atomically (temporary file + rename) under an exclusive ``flock`` on ``decisions.lock``, so
+atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.files`), so
 concurrent workers (tensor-parallel ranks, restarts) agree: the first decision stored for a
 case wins and everyone applies that one. A corrupt or foreign-schema file is moved aside with
 one warning and rebuilt; so is a file holding entries recovery could not apply (hand-edited, from
-another version), rebuilt with the usable ones. Failing I/O never stops a launch: one warning,
-then memory only.
+another version), rebuilt with the usable ones. The directory and the file are a trust boundary:
+either one writable by another user (or owned by one) is refused, as ssh refuses a writable
+``authorized_keys``. Failing I/O never stops a launch: one warning, then memory only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from . import incidents, introspect, ladder, registry, runtime, untrusted
-from .decision import CONFIG_CHANGED, Decision, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
-from .launch import jit_keys_of, try_compile, with_config
+from . import files, incidents, introspect, runtime, untrusted
+from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .launch import jit_keys_of
 from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
 log = logging.getLogger(__name__)
 
 SCHEMA = 1
 FILE_NAME = "decisions.json"
+LOCK_NAME = "decisions.lock"
 KINDS = ("compile", "launch")
+#: A decision file is a few KiB per kernel; one larger than this is not one smemguard wrote.
+MAX_FILE = 8 * 2**20
+#: Bounds of the options an entry may hold: no GPU pipelines more stages, none runs more than
+#: 1024 threads (32 warps of 32) per block.
+MAX_STAGES = 32
+MAX_WARPS = 32
 
 
 def case_id(fields: dict) -> str:
@@ -71,11 +77,23 @@ def validate(data: Any) -> dict:
 ACTIONS = {"compile": (STAGES_REDUCED, WARPS_REDUCED),
            "launch": (CONFIG_CHANGED, FALLBACK, RERAISED)}
 
-_OPTIONS = Expect("an object of num_stages and num_warps values (positive integers)", lambda value: (
+
+def power_of_two(value: Any, most: int) -> bool:
+    return integer(1).test(value) and value <= most and value & (value - 1) == 0
+
+
+_STAGES = Expect(f"an integer from 1 to {MAX_STAGES}", lambda value: integer(1).test(value) and value <= MAX_STAGES)
+_WARPS = Expect(f"a power of two from 1 to {MAX_WARPS}", lambda value: power_of_two(value, MAX_WARPS))
+_OPTIONS = Expect(f"an object of num_stages ({_STAGES.what}) and num_warps ({_WARPS.what})", lambda value: (
     isinstance(value, dict) and len(value) > 0
-    and all(name in ("num_stages", "num_warps") and integer(1).test(v) for name, v in value.items())))
-_CONFIG = {"kwargs": OBJECT, "num_warps": integer(1), "num_stages": integer(0), "num_ctas": integer(1),
-           "maxnreg": integer(1).or_null()}
+    and all((name == "num_stages" and _STAGES.test(v)) or (name == "num_warps" and _WARPS.test(v))
+            for name, v in value.items())))
+_CONFIG = {"kwargs": OBJECT, "num_warps": _WARPS,
+           "num_stages": Expect(f"an integer from 0 to {MAX_STAGES}", lambda value: integer(0).test(value)
+                                and value <= MAX_STAGES),
+           "num_ctas": Expect("an integer from 1 to 16", lambda value: integer(1).test(value) and value <= 16),
+           "maxnreg": Expect("an integer from 1 to 255", lambda value: integer(1).test(value)
+                             and value <= 255).or_null()}
 #: Per action, what recovery reads from the entry to apply it.
 _NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPTIONS},
           CONFIG_CHANGED: {"config": OBJECT}, FALLBACK: {"fallback": NAME},
@@ -109,9 +127,13 @@ def usable(data: dict) -> tuple[dict, list[str]]:
     return kept, dropped
 
 
-def parse(text: str) -> tuple[dict, list[str]]:
-    """The usable part of a decision file's text, and one line per entry left out; ValueError when
-    the text is not a decision file at all."""
+def parse(raw: bytes) -> tuple[dict, list[str]]:
+    """The usable part of a decision file's bytes, and one line per entry left out; ValueError when
+    they are not a decision file at all."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 text (byte {error.start})") from None
     data, problem = untrusted.loads(text)
     if problem is not None:
         raise ValueError(problem)
@@ -119,17 +141,15 @@ def parse(text: str) -> tuple[dict, list[str]]:
 
 
 def read(path: Path) -> tuple[dict, list[str]]:
-    """:func:`parse` of the file at ``path`` (an empty file when there is none), taking no lock and
-    changing nothing: writers replace the file whole. OSError when it cannot be read."""
+    """:func:`parse` of the decision file at ``path`` (an empty file when there is none), taking no lock
+    and changing nothing: writers replace the file whole. OSError when it cannot be read or trusted
+    (:class:`files.Untrusted` when another user can write it), ValueError when it is not a decision file."""
+    files.check_trusted(path.parent, path)
     try:
-        raw = path.read_bytes()
+        raw = files.read_bytes(path, MAX_FILE)
     except FileNotFoundError:
         return empty(), []
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"not UTF-8 text (byte {error.start})") from None
-    return parse(text)
+    return parse(raw)
 
 
 class Store:
@@ -143,18 +163,12 @@ class Store:
         self._stamp: tuple | None = None  # (mtime_ns, size) of the file we last read
         self._broken = False  # I/O failed once: memory only from then on
 
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / "decisions.lock", "a") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+    def _exclusive(self):
+        files.make_directory(self.directory)
+        return files.exclusive(self.directory / LOCK_NAME)
 
     def _refresh(self) -> None:
-        """Read the file again if it changed since we last did (caller holds ``_lock``)."""
+        """Read the file again if it changed since we last did (caller holds ``_lock`` and the file lock)."""
         try:
             stat = self.path.stat()
         except FileNotFoundError:
@@ -168,37 +182,31 @@ class Store:
         except ValueError as problem:
             self._data, self._stamp = empty(), None
             log.warning("smemguard: %s was unreadable (%s); moved it to %s and starting a new one.",
-                        self.path, problem, self._move_aside())
+                        self.path, problem, files.move_aside(self.path))
+            return
+        except files.Untrusted:  # never moved, never rewritten: it is not ours
+            raise
+        except files.Refused as refusal:  # too large, or no longer a regular file
+            self._data, self._stamp = empty(), None
+            log.warning("smemguard: %s; moved it to %s and starting a new one.", refusal, files.move_aside(self.path))
             return
         self._stamp = stamp
         if dropped:
-            aside = self._move_aside()
+            aside = files.move_aside(self.path)
             self._write()
             log.warning("smemguard: %s held %d entries smemguard cannot apply (%s%s); moved the file to %s and "
                         "kept the %d usable ones.", self.path, len(dropped), dropped[0],
                         "; ..." if len(dropped) > 1 else "", aside, sum(len(self._data[kind]) for kind in KINDS))
 
-    def _move_aside(self) -> Path:
-        """Keep the file as it is under a new name (nothing is lost); return that name."""
-        aside = self.path.with_name(f"{FILE_NAME}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-        os.replace(self.path, aside)
-        return aside
-
     def _write(self) -> None:
-        fd, temporary = tempfile.mkstemp(prefix=".decisions-", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(self._data, out, indent=1, sort_keys=True)
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        stat = self.path.stat()
+        stat = files.replace(self.path, json.dumps(self._data, indent=1, sort_keys=True))
         self._stamp = (stat.st_mtime_ns, stat.st_size)
 
     def _io_failed(self, error: OSError) -> None:
         self._broken = True
+        if isinstance(error, files.Refused):
+            log.warning("smemguard: refusing the decision cache: %s; decisions stay in this process.", error)
+            return
         log.warning("smemguard: cannot use the decision cache in %s (%s); decisions stay in this process. "
                     "Fix: point SMEMGUARD_CACHE_DIR at a writable directory, or set it to off.",
                     self.directory, error.strerror or error)
@@ -215,11 +223,16 @@ class Store:
             return self._stamp is not None
         return (stat.st_mtime_ns, stat.st_size) != self._stamp
 
+    def _checked(self) -> None:
+        """Untrusted when another user can write the directory or the file."""
+        files.check_trusted(self.directory, self.path)
+
     def get(self, kind: str, key: str) -> dict | None:
         with self._lock:
             if not self._broken:
                 try:
                     if self._changed():
+                        self._checked()
                         with self._exclusive():
                             self._refresh()
                 except OSError as error:
@@ -231,6 +244,7 @@ class Store:
         with self._lock:
             if not self._broken:
                 try:
+                    self._checked()
                     with self._exclusive():
                         self._refresh()
                         standing = self._data[kind].setdefault(key, entry)
@@ -241,38 +255,41 @@ class Store:
                     self._io_failed(error)
             return self._data[kind].setdefault(key, entry)
 
-    def snapshot(self) -> dict:
-        with self._lock, self._exclusive():
-            self._refresh()
-            return json.loads(json.dumps(self._data))
-
     def merge(self, data: dict) -> tuple[int, int]:
         """Add the entries of another decision file (``import``); returns (added, already there).
 
         ValueError, adding nothing, unless ``data`` is a decision file whose every entry recovery
-        can apply (:func:`usable` keeps those of a file that has others)."""
+        can apply (:func:`usable` keeps those of a file that has others). Nothing to add: nothing
+        is created or written."""
         _, dropped = usable(validate(data))
         if dropped:
             raise ValueError(dropped[0] + (f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""))
+        if not any(data[kind] for kind in KINDS):
+            return 0, 0
         added = present = 0
-        with self._lock, self._exclusive():
-            self._refresh()
-            for kind in KINDS:
-                for key, entry in data[kind].items():
-                    if key in self._data[kind]:
-                        present += 1
-                    else:
-                        self._data[kind][key] = entry
-                        added += 1
-            self._write()
+        with self._lock:
+            self._checked()
+            with self._exclusive():
+                self._refresh()
+                for kind in KINDS:
+                    for key, entry in data[kind].items():
+                        if key in self._data[kind]:
+                            present += 1
+                        else:
+                            self._data[kind][key] = entry
+                            added += 1
+                if added:
+                    self._write()
         return added, present
 
     def clear(self) -> int:
-        with self._lock, self._exclusive():
-            self._refresh()
-            count = sum(len(self._data[kind]) for kind in KINDS)
-            self._data = empty()
-            self._write()
+        with self._lock:
+            self._checked()
+            with self._exclusive():
+                self._refresh()
+                count = sum(len(self._data[kind]) for kind in KINDS)
+                self._data = empty()
+                self._write()
         return count
 
 
@@ -288,12 +305,12 @@ def store(directory: Path | None) -> Store | None:
         return _stores.setdefault(directory, Store(directory))
 
 
-# -- Encoding: a recovery decision as a stored entry, and back --------------------------------
+# -- Encoding: a recovery decision as a stored entry -------------------------------------------
 # A case is identified by what was compiled and where: kernel, source, Triton, GPU model,
 # enforced limit, JIT key (``compile``), and the tuning key too (``launch``).
 
 
-def _compile_case(jit, jit_key: str, device: int) -> dict:
+def compile_case(jit, jit_key: str, device: int) -> dict:
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
@@ -308,76 +325,14 @@ def cases_for(launch, failing) -> dict | None:
     jit_key = next(jit_keys_of(launch, failing), None)
     if jit_key is None:
         return None
-    compile_case = _compile_case(launch.jit, jit_key, runtime.current_device())
-    return {"compile": compile_case, "launch": {**compile_case, "tuning_key": repr(launch.tuning_key)}}
+    case = compile_case(launch.jit, jit_key, runtime.current_device())
+    return {"compile": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
 
 
-def remembered_options(jit, jit_key: str, device: int, directory: Path | None) -> dict | None:
-    """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
-    decisions = store(directory)
-    if decisions is None:
-        return None
-    entry = decisions.get("compile", case_id(_compile_case(jit, jit_key, device)))
-    return dict(entry["options"]) if entry else None
-
-
-def _config_from_entry(launch, entry: dict):
-    """The tuner config described by ``entry`` (one of its own, or a fewer-stage variant), or None."""
-    for config in ladder.allowed_configs(launch):
-        fields = introspect.config_fields(config)
-        same_but_stages = all(entry.get(name) == value for name, value in fields.items() if name != "num_stages")
-        if same_but_stages and config.num_stages >= entry["num_stages"]:
-            if config.num_stages == entry["num_stages"]:
-                return config
-            return ladder.variant(config, num_stages=entry["num_stages"]) if ladder.takes_variants(launch) else None
-    return None
-
-
-def _from_entry(launch, kind: str, entry: dict):
-    """Apply a stored decision to this launch: one compile to confirm it fits, no other candidate."""
-    if kind == "compile":
-        kernel, attempt = try_compile(launch, "remembered", **entry["options"])
-        if attempt.fits:
-            return Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
-                                   options=dict(entry["options"]), remembered=True)
-        return None
-    action = entry["action"]
-    if action == CONFIG_CHANGED:
-        config = _config_from_entry(launch, entry["config"])
-        if config is None:
-            return None
-        _, attempt = try_compile(with_config(launch, config), introspect.config_text(config))
-        if attempt.fits:
-            ladder.adopt(launch, config)
-            return Decision(CONFIG_CHANGED, (attempt,), config=config, final=attempt.config,
-                                   remembered=True)
-        return None
-    fallback = registry.fallback_for(launch.jit)
-    if action == FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
-        return Decision(FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}",
-                               remembered=True)
-    if action == RERAISED and fallback is None:
-        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)
-    return None
-
-
-def recall(launch, cases: dict, decisions: Store):
-    """The decision stored for one of ``cases``, applied to ``launch``; None when there is none that applies."""
-    for kind, case in cases.items():
-        entry = decisions.get(kind, case_id(case))
-        if entry is not None:
-            decision = _from_entry(launch, kind, entry)
-            if decision is not None:
-                return decision
-    return None
-
-
-def remember(launch, decision, cases: dict, decisions: Store):
-    """Store ``decision``; if another process stored this case first, apply theirs instead."""
+def entry_of(decision, case: dict) -> tuple[str, dict]:
+    """(the table, the entry) that stores ``decision`` for ``case``."""
     entry: dict[str, Any] = {"action": decision.action, "final": decision.final, "time": time.time(),
                              "host": incidents.host(), "pid": os.getpid(), "from_config": decision.attempts[0].config}
-    kind = "compile" if decision.options is not None else "launch"
-    case = cases[kind]
     if decision.options is not None:
         entry["options"] = decision.options
     else:
@@ -387,8 +342,4 @@ def remember(launch, decision, cases: dict, decisions: Store):
             entry["fallback"] = introspect.callable_name(decision.fallback)
         entry["reason"] = decision.reason
     entry.update(case)
-    standing = decisions.put(kind, case_id(case), entry)
-    if standing is entry:
-        return decision
-    theirs = _from_entry(launch, kind, standing)
-    return theirs if theirs is not None else decision
+    return ("compile" if decision.options is not None else "launch"), entry

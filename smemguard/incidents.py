@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import introspect, metrics, runtime
+from . import files, introspect, metrics, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def write(record: dict, path: Path | None) -> str | None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             line = json.dumps(record, default=_json_default, sort_keys=True)
-            with open(path, "a", encoding="utf-8") as out:
+            with files.open_append(path) as out:  # a FIFO or a device is refused, never waited on
                 out.write(line + "\n")
         except OSError as error:
             _unwritable.add(path)

@@ -24,19 +24,16 @@ of the host, updated atomically on each record under an exclusive ``flock``.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
-import os
 import sys
-import tempfile
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from . import files
 from ._version import __version__
 
 log = logging.getLogger(__name__)
@@ -47,6 +44,8 @@ REMEMBERED = "smemguard_remembered"
 INFO = "smemguard_info"
 INCIDENT_LABELS = ("kernel", "resource", "action", "gpu")
 INFO_LABELS = ("version", "triton", "mode", "limit")
+#: A textfile holds a few lines per kernel; one larger than this is not smemguard's.
+MAX_TEXTFILE = 8 * 2**20
 #: Upper bounds (s) of the recovery histogram: from candidates found in Triton's cache
 #: (milliseconds) to a ladder of cold compiles and the tuner's benchmark (seconds).
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -297,33 +296,21 @@ def count(record: dict) -> None:
 
 
 def _update_textfile(path: Path, record: dict) -> None:
-    """Add ``record`` to the textfile: read, add, write a temporary file and rename it over, under an
-    exclusive lock (``.<name>.lock`` beside it), so a reader never sees half a file and concurrent
-    writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
+    """Add ``record`` to the textfile: read, add and replace it atomically under an exclusive lock
+    (``.<name>.lock`` beside it, :mod:`smemguard.files`), so a reader never sees half a file and
+    concurrent writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
     global _last_written
     if str(path) in _warned:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "a") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            try:
-                tally = _read_textfile(path)
-                _last_written = None
-                tally.add(record)
-                text = tally.exposition()
-                descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-                try:
-                    with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-                        out.write(text)
-                    os.chmod(temporary, 0o644)  # node_exporter usually runs as another user
-                    os.replace(temporary, path)
-                except BaseException:
-                    os.unlink(temporary)
-                    raise
-                _last_written = (path, text, tally)
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        files.make_directory(path.parent)
+        with files.exclusive(path.parent / f".{path.name}.lock"):
+            tally = _read_textfile(path)
+            _last_written = None
+            tally.add(record)
+            text = tally.exposition()
+            files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
+            _last_written = (path, text, tally)
     except OSError as error:
         _warn_once(str(path), "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
                    "SMEMGUARD_METRICS_FILE at a writable file.", path, error.strerror or error)
@@ -333,15 +320,14 @@ def _read_textfile(path: Path) -> Tally:
     """The textfile's series; one that is not smemguard's is moved aside (nothing lost) and started anew.
     Parsing is most of an update's cost: the text this process wrote last is not parsed again."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = files.read_bytes(path, MAX_TEXTFILE).decode("utf-8")
         if _last_written is not None and _last_written[:2] == (path, text):
             return _last_written[2]
         return Tally.parse(text)
     except FileNotFoundError:
         return Tally()
-    except ValueError as error:  # UnicodeDecodeError too
-        aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.replace(path, aside)
+    except (ValueError, files.Refused) as error:  # UnicodeDecodeError too; too large, not a regular file
+        aside = files.move_aside(path)
         log.warning("smemguard: %s is not a metrics file smemguard wrote (%s); moved it to %s and started anew",
                     path, error, aside)
         return Tally()

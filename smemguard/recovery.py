@@ -2,7 +2,7 @@
 
 :func:`handle` resolves the launch (:mod:`smemguard.launch`), takes a decision once per
 failing compiled kernel (remembered from another process, :mod:`smemguard.decisions`, or
-found by trying candidates, :mod:`smemguard.ladder`), writes the incident record
+found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by :mod:`smemguard.recall`), writes the incident record
 (:mod:`smemguard.incidents`) and applies the decision. Concurrent threads meeting the same
 failure wait for one decision under a lock and all apply it.
 
@@ -26,7 +26,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import decisions, incidents, introspect, ladder, registry, runtime
+from . import decisions, incidents, introspect, ladder, recall, registry, runtime
 from .internal import Steps, StepFailed
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
@@ -63,9 +63,9 @@ def forget() -> None:
     runtime.drop_replacements()
 
 
-def remembered_options(jit, jit_key: str, device: int, settings) -> dict | None:
+def remembered_options(jit, jit_key: str, device: int, options, settings) -> dict | None:
     """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
-    return decisions.remembered_options(jit, jit_key, device, settings.cache_dir)
+    return recall.remembered_options(jit, jit_key, device, options, settings.cache_dir)
 
 
 def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
@@ -77,7 +77,7 @@ def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> C
         return steps.run("launch with the new config", with_config, launch, decision.config).relaunch
     if decision.action == FALLBACK:
         named = steps.run("bind the fallback's arguments", _fallback_arguments, launch)
-        return functools.partial(_run_fallback, decision.fallback, named, error)
+        return functools.partial(_run_fallback, decision, named, error)
     incidents.add_note(error, lambda: incidents.explain(launch, decision, error))
     return functools.partial(_reraise, error)
 
@@ -87,13 +87,20 @@ def _fallback_arguments(launch: Launch) -> dict:
     return launch.named_args()
 
 
-def _run_fallback(fallback, named: dict, error):
+def _run_fallback(decision: Decision, named: dict, error, record=None):
+    """Run the registered fallback in place of the launch; when it raises, the user gets their own error with
+    a note. ``record`` (the first time) writes the incident record of what happened."""
     try:
-        fallback(**named)
+        decision.fallback(**named)
     except Exception as fallback_error:
-        incidents.add_note(error, f"smemguard: the registered fallback {introspect.callable_name(fallback)} "
-                                  f"raised {type(fallback_error).__name__}: {fallback_error}")
+        reason = (f"the registered fallback {introspect.callable_name(decision.fallback)} raised "
+                  f"{type(fallback_error).__name__}: {fallback_error}")
+        if record is not None:
+            record(dataclasses.replace(decision, action=RERAISED, reason=reason))
+        incidents.add_note(error, f"smemguard: {reason}")
         raise error from fallback_error
+    if record is not None:
+        record(decision)
 
 
 def _reraise(error):
@@ -106,13 +113,13 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
     store = steps.run("open the decision store", decisions.store, settings.cache_dir, otherwise=lambda: None)
     cases = (steps.run("key the stored decisions", decisions.cases_for, launch, failing, otherwise=lambda: None)
              if store is not None else None)
-    decision = (steps.run("recall a stored decision", decisions.recall, launch, cases, store, otherwise=lambda: None)
-                if cases else None)
+    decision = (steps.run("recall a stored decision", recall.recall, launch, failing, cases, store,
+                          otherwise=lambda: None) if cases else None)
     if decision is None:
         decision = steps.run("decide", ladder.decide, launch, failing, error)
         if cases:
             chosen = decision
-            decision = steps.run("store the decision", decisions.remember, launch, chosen, cases, store,
+            decision = steps.run("store the decision", recall.remember, launch, failing, chosen, cases, store,
                                  otherwise=lambda: chosen)
     return decision
 
@@ -212,6 +219,12 @@ def _recover(launched, launch: Launch | None, failing, error, settings, steps: S
             decision = _decide(launch, failing, error, settings, steps)
             if steps.failed:
                 decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
+            if decision.action == FALLBACK:  # recorded once it ran: the record says whether it raised
+                case.decision = decision
+                named = steps.run("bind the fallback's arguments", _fallback_arguments, launch)
+                record = functools.partial(incidents.record_launch, launch, launched, failing, error,
+                                           started=started, log_path=settings.log_path, described=described)
+                return functools.partial(_run_fallback, decision, named, error, record)
             case.decision = incidents.record_launch(launch, launched, failing, error, decision, started,
                                                     settings.log_path, described)
     return _plan(case.decision, launch, failing, error, steps)

@@ -5,11 +5,24 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .introspect import kernel_name
+from .introspect import jit_function, kernel_name
 
 _fallbacks: dict[str, Callable[..., Any]] = {}
 _alternatives: dict[str, tuple] = {}
 _lock = threading.Lock()
+
+
+def _registered_name(kernel) -> str:
+    """``kernel``'s name for the registry; TypeError or ValueError saying what is accepted."""
+    if isinstance(kernel, str):
+        module, _, qualname = kernel.partition(":")
+        if not all(part.isidentifier() for part in (*module.split("."), *qualname.split("."))):
+            raise ValueError(f"kernel {kernel!r} is not a 'module:qualname' such as 'my_ops:matmul_kernel'")
+        return kernel
+    if jit_function(kernel) is None:
+        raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotuned or heuristics-wrapped) or its "
+                        f"'module:qualname', not {type(kernel).__name__}")
+    return kernel_name(kernel)
 
 
 def register_fallback(kernel, fallback: Callable[..., Any]) -> None:
@@ -23,8 +36,9 @@ def register_fallback(kernel, fallback: Callable[..., Any]) -> None:
     """
     if not callable(fallback):
         raise TypeError(f"fallback must be callable, not {type(fallback).__name__}")
+    name = _registered_name(kernel)
     with _lock:
-        _fallbacks[kernel_name(kernel)] = fallback
+        _fallbacks[name] = fallback
 
 
 def unregister_fallback(kernel) -> None:
@@ -46,11 +60,15 @@ def register_alternatives(kernel, configs) -> None:
     launch with a tuple grid keeps its tiles whatever is registered, since the caller computed
     that grid from them. Registering again replaces the previous list.
     """
-    configs = tuple(configs)
+    name = _registered_name(kernel)
+    try:
+        configs = tuple(configs)
+    except TypeError:
+        raise TypeError(f"alternatives must be a list of triton.Config objects, not {type(configs).__name__}") from None
     if not all(hasattr(config, "all_kwargs") and hasattr(config, "kwargs") for config in configs):
         raise TypeError("alternatives must be triton.Config objects")
     with _lock:
-        _alternatives[kernel_name(kernel)] = configs
+        _alternatives[name] = configs
 
 
 def alternatives_for(kernel) -> tuple:

@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from . import introspect, untrusted
+from . import decisions, gpus, introspect, untrusted
 from .report import Malformed, Record, read
 from .settings import Settings
-from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, integers, printable, shown
+from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
 
 
 class ReplayError(Exception):
@@ -66,30 +66,61 @@ def _dtype(name: str):
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-TENSOR = {"shape": integers(0), "stride": integers(0), "dtype": Expect("a torch dtype such as torch.float16", _dtype),
+def _bounded(most: int, least: int = 0) -> Expect:
+    return Expect(f"an integer from {least} to {most}", lambda value: integer(least).test(value) and value <= most)
+
+
+def _bounded_list(most: int, least: int = 0, lengths: range = range(0, 9)) -> Expect:
+    each = _bounded(most, least)
+    return Expect(f"a list of {lengths.start} to {lengths.stop - 1} integers from {least} to {most}", lambda value: (
+        isinstance(value, list) and len(value) in lengths and all(each.test(v) for v in value)))
+
+
+#: Bounds of what a record may ask replay to build: sizes and strides of a tensor (2**40), the
+#: bytes it spans (16 GiB), a grid (CUDA's 2**31 - 1), stages and warps (as a stored decision).
+MAX_EXTENT = 2**40
+MAX_TENSOR_BYTES = 16 * 2**30
+MAX_GRID = 2**31 - 1
+MAX_INT = 2**63 - 1
+
+TENSOR = {"shape": _bounded_list(MAX_EXTENT), "stride": _bounded_list(MAX_EXTENT),
+          "dtype": Expect("a torch dtype such as torch.float16", lambda value: _dtype(value) is not None
+                          and _itemsize(_dtype(value)) is not None),
           "ptr_mod_16": Expect("an integer from 0 to 15", lambda value: integer(0).test(value) and value < 16)}
-DESCRIPTOR = {"base": OBJECT, "shape": integers(0), "strides": integers(0), "block_shape": integers(1)}
+DESCRIPTOR = {"base": OBJECT, "shape": _bounded_list(MAX_EXTENT), "strides": _bounded_list(MAX_EXTENT),
+              "block_shape": _bounded_list(2**16, 1)}
+_SCALAR = Expect("a number (a 64-bit integer), true/false, text or null", lambda value: SCALAR.test(value) and (
+    not isinstance(value, int) or -MAX_INT - 1 <= value <= MAX_INT))
 
 #: What replay reads from a record (docs/INCIDENTS.md); ``args`` entries are checked by :func:`_argument_problems`.
 REQUIRED = {
     "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
     "args": OBJECT,
-    "constexprs": Expect("an object of constexpr values (numbers, text, true/false or null)", lambda value: (
-        isinstance(value, dict) and all(SCALAR.test(v) for v in value.values()))),
-    "grid": integers(0, range(1, 4)),
-    "num_warps": integer(1),
-    "num_stages": integer(0),
+    "constexprs": Expect("an object of constexpr values (64-bit integers, numbers, text, true/false or null)",
+                         lambda value: isinstance(value, dict) and all(_SCALAR.test(v) for v in value.values())),
+    "grid": _bounded_list(MAX_GRID, 0, range(1, 4)),
+    "num_warps": Expect(f"a power of two from 1 to {decisions.MAX_WARPS}",
+                        lambda value: decisions.power_of_two(value, decisions.MAX_WARPS)),
+    "num_stages": _bounded(decisions.MAX_STAGES),
     "config": TEXT,
     "action": NAME,
     "resource": NAME,
-    "required": integer(0),
-    "limit_hit": integer(1),
+    "required": _bounded(MAX_INT),
+    "limit_hit": _bounded(MAX_INT, 1),
     "device": OBJECT,
 }
 OPTIONAL = {"id": TEXT, "source": TEXT, "limit": Expect("an object {device, emulated} of byte counts", lambda value: (
-    isinstance(value, dict) and all(integer(0).or_null().test(value.get(k)) for k in ("device", "emulated"))))}
-DEVICE = {"backend": NAME, "arch": Expect("an integer or text", lambda value: isinstance(value, (int, str))
-                                          and not isinstance(value, bool))}
+    isinstance(value, dict) and all(_bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))))}
+
+
+def _known_arch(value) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool) and value in {
+        gpu.target_arch for gpu in gpus.GPUS}
+
+
+DEVICE = {"backend": one_of("cuda", "hip"), "arch": Expect(
+    "an arch of the GPUs in 'smemguard gpus' (" + ", ".join(dict.fromkeys(str(gpu.target_arch) for gpu in gpus.GPUS))
+    + ")", _known_arch)}
 
 
 def _tensor_problems(spec: dict, where: str) -> list[str]:
@@ -98,13 +129,28 @@ def _tensor_problems(spec: dict, where: str) -> list[str]:
         return found
     if len(spec["shape"]) != len(spec["stride"]):
         return [f"{where!r} has {len(spec['shape'])} sizes and {len(spec['stride'])} strides"]
-    import torch
-
-    itemsize = torch.empty((), dtype=_dtype(spec["dtype"])).element_size()
+    itemsize = _itemsize(_dtype(spec["dtype"]))
     if spec["ptr_mod_16"] % itemsize:
         return [f"{where!r}: a {printable(spec['dtype'])} tensor cannot start {spec['ptr_mod_16']} bytes past a "
                 "16-byte boundary"]
+    if _span(spec) * itemsize > MAX_TENSOR_BYTES:
+        return [f"{where!r} spans more than {MAX_TENSOR_BYTES // 2**30} GiB"]
     return []
+
+
+def _itemsize(dtype) -> int | None:
+    """Bytes per element of a dtype Triton takes (None for complex and other dtypes it has no type for)."""
+    import torch
+
+    if dtype.is_complex or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return None
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _span(spec: dict) -> int:
+    """Elements from the first to the last one a tensor view reaches."""
+    shape, stride = spec["shape"], spec["stride"]
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
 
 
 def _argument_problems(name: str, value) -> list[str]:
@@ -175,8 +221,8 @@ def _tensor(spec: dict, device: str, generator):
     import torch
 
     dtype = _dtype(spec["dtype"])
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(spec["shape"], spec["stride"])) if all(spec["shape"]) else 0
+    itemsize = _itemsize(dtype)
+    span = _span(spec)
     offset = spec["ptr_mod_16"] // itemsize
     base = torch.empty(span + offset + 16, dtype=dtype, device=device)
     skip = (-base.data_ptr() % 16) // itemsize  # start from a 16-byte boundary, then add the recorded offset
@@ -315,12 +361,19 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
     from .testing import fake_gpu
 
     arch = record["device"]["arch"]
-    if record["device"]["backend"] != "cuda" or not isinstance(arch, int):
-        raise ReplayError(f"no GPU here, and only NVIDIA targets compile without one (the record has "
-                          f"{shown(record['device']['backend'])} {shown(arch)})")
-    say(f"no GPU: compiling for sm_{arch} on a stand-in device with a {limit} B limit (nothing executes)")
+    if isinstance(arch, str):
+        from .preflight.compiling import hip_compile_problem
+
+        problem = hip_compile_problem()
+        if problem is not None:
+            raise ReplayError(f"no GPU here, and this Triton cannot compile for {arch} without one: {problem}")
+        stand_in = next(gpu.name for gpu in gpus.GPUS if gpu.target_arch == arch)
+    else:
+        stand_in = arch
+    say(f"no GPU: compiling for {arch if isinstance(arch, str) else f'sm_{arch}'} on a stand-in device with a "
+        f"{limit} B limit (nothing executes)")
     launch = _launcher(jit, record, "cpu")
-    with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch, fake_gpu(arch, max_shared=limit):
+    with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch, fake_gpu(stand_in, max_shared=limit):
         try:
             launch()
             say("  the recorded config fits this limit: nothing to reproduce")
@@ -333,11 +386,13 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
             say(f"  reproduced: OutOfResources {error.name}, required {error.required} B, limit {error.limit} B ({same})")
         except Exception as error:
             raise _launch_failed(error) from None
+        recovered = True
         if reproduced is not None:
             outcome, incident = _guarded(Settings(log_path=Path(scratch) / "replay.jsonl"), launch)
             _show_attempts(incident, say)
             if isinstance(outcome, Exception):
-                say(f"  the launch still fails: {_first_line(outcome)}")
+                say(f"  not recovered: the launch still fails: {_first_line(outcome)}")
+                recovered = False
         if obj is not jit and hasattr(obj, "configs"):
             say(f"  {type(obj).__name__} configs, compiled for this specialization:")
             named = arguments(record, "cpu", seed=None)
@@ -349,7 +404,7 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
                 except Exception as error:
                     verdict = f"{type(error).__name__}"
                 say(f"    {config}: {verdict}")
-    return 0 if reproduced is None or reproduced.required == record["required"] else 1
+    return 0 if reproduced is None or (recovered and reproduced.required == record["required"]) else 1
 
 
 def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:

@@ -79,7 +79,9 @@ OPTIONAL = {
     "time": Expect(f"a time like {datetime(2026, 11, 30, 8, tzinfo=timezone.utc).strftime(TIME_FORMAT)}",
                    lambda value: _time(value) is not None),
     "device": Expect("an object {name, backend, arch}", _device),
-    "recovery_ms": NUMBER,
+    # A recovery takes seconds at most: a day bounds the sums, which stay finite (and JSON).
+    "recovery_ms": Expect("a number of milliseconds from 0 to 86400000 (a day)", lambda value: (
+        NUMBER.test(value) and value <= 86_400_000)),
     "args": Expect("an object of arguments, tensors' shapes lists of integers", _arguments),
 }
 

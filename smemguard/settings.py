@@ -96,13 +96,14 @@ def parse_max_shared(text: str) -> tuple[int, str]:
     """``"101376"`` or a GPU name (``"L20"``) -> (bytes, label); ValueError saying what is accepted."""
     text = text.strip()
     accepted = f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
-    if text.isdigit() and int(text) > 0:
-        return int(text), text
     gpu = gpus.lookup(text)
-    if gpu is None:
-        why = "must be positive" if text.lstrip("-").isdigit() else "neither a byte count nor a known GPU"
-        raise ValueError(f"{why}; accepted: {accepted}")
-    return gpu.max_shared, gpu.name
+    if gpu is not None:  # "4090" is the RTX 4090, as in 'smemguard gpus' and 'check --gpu', not 4090 bytes
+        return gpu.max_shared, gpu.name
+    if text.isascii() and text.isdigit() and len(text) <= 12 and int(text) > 0:
+        return int(text), text
+    why = ("must be positive" if text.lstrip("-").isdigit() and len(text) <= 12 else
+           "too large" if text.isdigit() else "neither a byte count nor a known GPU")
+    raise ValueError(f"{why}; accepted: {accepted}")
 
 
 def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | None, str | None]:
@@ -139,6 +140,8 @@ def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]
     try:
         if path.is_file() if directory else path.is_dir():
             return path, "is a file" if directory else "is a directory"
+        if not directory and path.exists() and not path.is_file():  # a FIFO would block the first incident
+            return path, "not a regular file"
         return path, _unwritable_reason(path)
     except OSError as error:  # a name too long for the file system
         return path, error.strerror or str(error)
@@ -158,11 +161,10 @@ def _parse_log(value: str | None, problems: list[str]) -> Path | None:
 def _parse_metrics_file(value: str | None, problems: list[str]) -> Path | None:
     if value is None or value.strip() == "":
         return None
-    path = Path(value.strip()).expanduser()
+    path, reason = _checked_path(value, directory=False)
     accepted = "a writable file path ending in .prom, e.g. /var/lib/node_exporter/textfile/smemguard.prom"
-    reason = ("is a directory" if path.is_dir() else
-              "node_exporter's textfile collector reads only *.prom files" if path.suffix != ".prom" else
-              _unwritable_reason(path))
+    if reason is None and path.suffix != ".prom":
+        reason = "node_exporter's textfile collector reads only *.prom files"
     if reason:
         problems.append(_problem(METRICS_FILE, value, reason, accepted) + " Metrics stay in the process.")
         return None

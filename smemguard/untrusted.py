@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from . import files
+
 #: Longer lines are skipped, not read into memory (a record is a few KiB).
 MAX_LINE = 16 * 1024 * 1024
+#: An incident file (after gunzip) is read up to this many bytes: a gzip bomb ends there.
+MAX_LINES_BYTES = 4 * 2**30
 
 
 def shown(value: Any, limit: int = 80) -> str:
@@ -108,16 +112,6 @@ def loads(text: str) -> tuple[Any, str | None]:
         return None, f"not JSON ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
 
 
-def read_text(path: Path) -> tuple[str | None, str | None]:
-    """(the UTF-8 text of ``path``, None), or (None, why it cannot be read)."""
-    try:
-        return path.read_bytes().decode("utf-8"), None
-    except UnicodeDecodeError as error:
-        return None, f"{printable(str(path))} is not UTF-8 text (byte {error.start})"
-    except OSError as error:
-        return None, f"cannot read {printable(str(path))}: {error.strerror or error}"
-
-
 @dataclass(frozen=True)
 class Line:
     """One line of a JSON-lines file: its value when it is JSON, else why it is not."""
@@ -128,27 +122,35 @@ class Line:
 
 
 def _raw_lines(stream) -> Iterator[tuple[int, bytes | None]]:
-    """Numbered lines; None for one longer than MAX_LINE (read past, not kept)."""
-    number = 0
+    """Numbered lines; None for one longer than MAX_LINE (read past, not kept). OverflowError past
+    MAX_LINES_BYTES."""
+    number = total = 0
     while True:
         chunk = stream.readline(MAX_LINE)
+        total += len(chunk)
+        if total > MAX_LINES_BYTES:
+            raise OverflowError(number)
         if not chunk:
             return
         number += 1
         if len(chunk) == MAX_LINE and not chunk.endswith(b"\n"):
             while chunk and not chunk.endswith(b"\n"):
                 chunk = stream.readline(MAX_LINE)
+                total += len(chunk)
+                if total > MAX_LINES_BYTES:
+                    raise OverflowError(number)
             yield number, None
         else:
             yield number, chunk
 
 
 def json_lines(path: Path) -> Iterator[Line]:
-    """The lines of a JSON-lines file (gzip too), blank ones left out. A file that cannot be read,
-    or a gzip stream that breaks off, ends with a Line numbered 0 saying so; never raises."""
+    """The lines of a JSON-lines file (gzip too), blank ones left out. A file that cannot be read
+    (not a regular file among them: a FIFO is never waited on), a gzip stream that breaks off, or
+    more than MAX_LINES_BYTES, ends with a Line numbered 0 saying so; never raises."""
     number = 0
     try:
-        with open(path, "rb") as raw:
+        with files.open_read(path) as raw:
             gzipped = raw.read(2) == b"\x1f\x8b"
             raw.seek(0)
             stream = gzip.GzipFile(fileobj=raw) if gzipped else raw
@@ -164,6 +166,11 @@ def json_lines(path: Path) -> Iterator[Line]:
                 if text.strip():
                     value, problem = loads(text)
                     yield Line(number, value, problem)
+    except OverflowError:
+        yield Line(0, problem=f"holds more than {MAX_LINES_BYTES // 2**30} GiB (after gunzip); the lines before "
+                              f"line {number + 1} are read")
+    except files.Refused as refusal:
+        yield Line(0, problem=str(refusal).removeprefix(f"{path} "))
     except IsADirectoryError:
         yield Line(0, problem="is a directory, not an incident file")
     except FileNotFoundError:

@@ -1,15 +1,28 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
-import pytest
+# The run's caches live in a directory of its own, removed at the end: the tests never write the
+# user's ~/.cache/smemguard or ~/.triton (subprocesses inherit these too). Set before Triton is imported.
+_CACHES = tempfile.mkdtemp(prefix="smemguard-tests-")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_CACHES, "xdg")
+os.environ["TRITON_HOME"] = _CACHES
 
-import smemguard
-from smemguard import guard, incidents
-from smemguard.settings import Settings
+import pytest  # noqa: E402
+
+import smemguard  # noqa: E402
+from smemguard import guard, incidents  # noqa: E402
+from smemguard.settings import Settings  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHES, ignore_errors=True)
+
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent

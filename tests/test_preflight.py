@@ -378,3 +378,16 @@ def test_examples_declare_what_the_check_needs():
                                                                                            "N=1"]
     assert by_name["attention_fwd"].jit is attention_fwd_kernel
     assert by_name["attention_fwd"].types["sm_scale"] == "fp32"
+
+
+def test_a_warm_cache_gives_the_cold_runs_verdicts(results):
+    # Misaligned on sm_89 one stage is buffered whatever num_stages: the cold run compiles the family's
+    # fewest and most stages and shares their bytes with the 3-stage config (98304 B, too near the
+    # L4's limit for the estimate). The warm run found both in the cache and crashed (issue 24, item 1).
+    stages = [dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=s) for s in (2, 3, 4)]
+    [kernel] = preflight.discover(["smemguard.examples:flaggems_matmul"], overrides={"configs": stages})
+    cold = preflight.check([kernel], [L4], jobs=2, cache=results)
+    warm = preflight.check([kernel], [L4], jobs=2, cache=results)
+    assert warm.compiles == 0 and warm.cache_hits == cold.compiles
+    assert {key: verdict.verdict for key, verdict in warm.verdicts.items()} == \
+        {key: verdict.verdict for key, verdict in cold.verdicts.items()}

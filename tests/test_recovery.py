@@ -208,7 +208,7 @@ def test_registered_fallback_runs_with_the_named_arguments(install_guard, incide
     assert record["action"] == "fallback" and "fallback" in record["final"]
 
 
-def test_a_failing_fallback_reraises_the_original_error(install_guard, triton_cache):
+def test_a_failing_fallback_reraises_the_original_error(install_guard, incident_log, triton_cache, caplog):
     aligned, _ = aligned_and_misaligned()
     b, c = operands()
 
@@ -225,6 +225,9 @@ def test_a_failing_fallback_reraises_the_original_error(install_guard, triton_ca
         smemguard.unregister_fallback(matmul_kernel)
     assert isinstance(caught.value.__cause__, ValueError)
     assert "fallback" in caught.value.__notes__[0] and "no cuBLAS here" in caught.value.__notes__[0]
+    [record] = records(incident_log)
+    assert record["action"] == "reraised" and "no cuBLAS here" in record["reason"], "recorded as what happened"
+    assert not any("ran fallback" in line.getMessage() for line in caplog.records)
 
 
 @pytest.mark.parametrize("gpu, max_shared, big, required, arch", [

@@ -2,7 +2,10 @@
 
 Valid documents are mutated the ways files go bad: fields of the wrong type, missing and extra
 fields, truncation, binary, long lines, unicode (control characters and lone surrogates too),
-gzip streams cut short. Output goes to strict UTF-8 streams, as to a terminal. The examples are
+gzip streams cut short. Output goes to strict UTF-8 streams, as to a terminal. Every command must
+end within MAX_SECONDS and MAX_RSS, with exit status 0, 1 or 2, writing nothing but what it names
+(report and replay nothing; cache import the decision file and its lock, only when it adds an
+entry; no command a path a setting names). The examples are
 budgeted per property (BUDGET: 10,000 in all, derandomized, so CI runs the same cases every
 time); no case compiles a kernel, and the file takes about 50 s of one core, most of it
 hypothesis generating the cases. What the deeper paths do on real compiles is tested in
@@ -17,8 +20,10 @@ import gzip
 import io
 import json
 import os
+import resource
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -141,12 +146,20 @@ def damaged_bytes(draw, value):
     return raw
 
 
+#: Bounds on one command over one damaged input: seconds, and the test process's peak memory.
+MAX_SECONDS = 30
+MAX_RSS = 3 * 2**30
+
+
 def run(argv: list[str]) -> tuple[int, str, str]:
     """cli.main(argv) with stdout and stderr as a terminal's: strict UTF-8 (a lone surrogate cannot be printed)."""
     out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
     err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    started = time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = cli.main(argv)
+    assert time.monotonic() - started < MAX_SECONDS, argv
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < MAX_RSS, argv
     texts = [stream.buffer.getvalue().decode("utf-8") for stream in (out, err)]
     assert status in (0, 1, 2), (argv, status)
     for line in texts[1].splitlines():  # one line per problem, each saying who speaks (or a problem list's item)
@@ -195,6 +208,9 @@ def test_report_survives_any_damage_and_counts_every_good_line(fresh, data):
     as_json = data.draw(st.booleans())
     status, out, err = run(["report", str(path), *extra] + (["--json"] if as_json else []))
     assert (status == 0) == (err == ""), err
+    assert list(path.parent.iterdir()) == [path], "report writes nothing"
+    if as_json and out:  # none after a bad --since
+        json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     if as_json and not zipped and not extra:
         assert sum(row["count"] for row in json.loads(out)["rows"]) >= 1, "the good line is always counted"
 
@@ -221,6 +237,7 @@ def test_replay_refuses_any_damaged_record_in_one_line_per_problem(fresh, data):
     index = data.draw(st.sampled_from([[], ["--index", "0"], ["--index", "-3"], ["--kernel", "matmul"]]))
     status, out, err = run(["replay", str(path), *index])
     assert status == 2 and out == "", (out, err)
+    assert list(path.parent.iterdir()) == [path], "replay writes nothing"
     assert err.count("cannot replay this record") <= 1
 
 
@@ -242,11 +259,18 @@ def test_cache_never_stores_an_entry_recovery_cannot_apply(fresh, data):
     imported_into = fresh()
     status, _, err = run(["cache", "import", str(incoming), "--dir", str(imported_into)])
     assert decisions.read(imported_into / decisions.FILE_NAME)[1] == [], "stored an entry a later command cannot read"
+    written = sorted(path.name for path in imported_into.iterdir())
+    assert written in ([], [decisions.FILE_NAME, decisions.LOCK_NAME]), written
+    try:
+        usable = _entries(decisions.parse(raw)[0])
+    except ValueError:
+        usable = []
+    assert (written == []) == (usable == []), "only an import that adds an entry creates the cache's files"
 
     cache = fresh()
     (cache / decisions.FILE_NAME).write_bytes(raw)  # the same bytes as the host's own cache
     try:
-        _, dropped = decisions.parse(raw.decode("utf-8"))
+        _, dropped = decisions.parse(raw)
         readable = True
     except ValueError:
         readable, dropped = False, []
@@ -276,11 +300,16 @@ _env_text = st.text(st.characters(exclude_categories=("Cs",), exclude_characters
 def test_every_command_reports_any_settings_in_one_line_each(fresh, data):
     home = fresh()
     (home / "a-file").write_text("not a directory")
+    os.mkfifo(home / "a-fifo")
     env = {
         "SMEMGUARD": data.draw(st.sampled_from(["on", "off", "observe", "strict", "STRICT ", ""]) | _env_text),
-        "SMEMGUARD_MAX_SHARED": data.draw(st.sampled_from(["L4", "101376", "0", "-5", "MI300X"]) | _env_text),
+        "SMEMGUARD_MAX_SHARED": data.draw(st.sampled_from(["L4", "101376", "0", "-5", "MI300X", "4090", "9" * 5000])
+                                          | _env_text),
         "SMEMGUARD_LOG": data.draw(st.sampled_from([str(home / "i.jsonl"), str(home), str(home / "a-file" / "x"),
-                                                    "~nobody-here/i.jsonl", "x" * 5000]) | _env_text),
+                                                    str(home / "a-fifo"), "/dev/full", "~nobody-here/i.jsonl",
+                                                    "x" * 5000]) | _env_text),
+        "SMEMGUARD_METRICS_FILE": data.draw(st.sampled_from(["", str(home / "m.prom"), str(home / "a-fifo"),
+                                                             "~nobody-here/m.prom", "/x" * 3000]) | _env_text),
         "SMEMGUARD_CACHE_DIR": data.draw(st.sampled_from([str(home / "c"), str(home / "a-file"), "off", "OFF",
                                                           "~nobody-here", "/x" * 3000])
                                          | _env_text.map(lambda t: str(home / t))),
@@ -294,6 +323,7 @@ def test_every_command_reports_any_settings_in_one_line_each(fresh, data):
     with mock.patch.dict(os.environ, env):
         expected = smemguard_settings.load()
         status, out, err = run(command)
+    assert sorted(path.name for path in home.iterdir()) == ["a-fifo", "a-file"], "no command writes a setting's path"
     for problem in expected.problems:
         assert err.count(f"smemguard: {printable(problem)}\n") == 1
     if expected.problems and expected.mode == "strict":

@@ -36,7 +36,7 @@ OBSERVE_SAFE = False  # compiles remembered replacements instead of what was ask
 
 _LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")
 
-_remembered_options = None  # (jit, key, device) -> {"num_stages": 3} | None
+_remembered_options = None  # (jit, key, device, options) -> {"num_stages": 3} | None
 
 
 def applies(settings) -> bool:
@@ -52,7 +52,7 @@ def _compile_remembered(wrapped, instance, args, kwargs):
     if _remembered_options is not None and not runtime.benchmarking():
         try:
             key, device, options = _arguments(*args, **kwargs)
-            override = _remembered_options(instance, key, device)
+            override = _remembered_options(instance, key, device, options)
             if override:
                 replaced = dataclasses.replace(options, **override)
                 if "options" in kwargs:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
+
+from .. import files
 
 log = logging.getLogger(__name__)
 
+#: A result is a few numbers; a file larger than this is not one the check wrote.
+MAX_RESULT = 64 * 2**10
+
 
 class ResultCache:
-    """Measured results as small JSON files, one per compile key; written atomically."""
+    """Measured results as small JSON files, one per compile key; written atomically (:mod:`smemguard.files`)."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
@@ -22,28 +25,41 @@ class ResultCache:
         return self.directory / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> dict | None:
+        """The result stored under ``key``; None when there is none usable (a damaged one is compiled again)."""
         if self.directory is None:
             return None
         try:
-            return json.loads(self._path(key).read_text())
-        except (OSError, ValueError):
+            result = json.loads(files.read_bytes(self._path(key), MAX_RESULT))
+        except (OSError, ValueError, RecursionError):
             return None
+        return result if valid(result) else None
 
     def put(self, key: str, result: dict) -> None:
         if self.directory is None:
             return
         path = self._path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-                json.dump(result, handle)
-            os.replace(handle.name, path)
+            files.make_directory(path.parent)
+            files.replace(path, json.dumps(result))
         except OSError:
             log.debug("smemguard check: could not write %s", path, exc_info=True)
 
 
+def valid(result) -> bool:
+    """Whether ``result`` is one the check stores: {"shared": bytes or null, "error": text or null, ...}."""
+    if not isinstance(result, dict):
+        return False
+    shared, error = result.get("shared"), result.get("error")
+    if shared is None:
+        return isinstance(error, str)
+    return isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0
+
+
 def default_cache() -> ResultCache:
+    """``SMEMGUARD_CACHE_DIR/preflight``; no cache when the setting is off or unusable (its problem line
+    says so): the default directory is never written in place of the one the user named."""
     from .. import settings
 
-    directory = settings.current().cache_dir
-    return ResultCache(directory / "preflight" if directory is not None else None)
+    current = settings.current()
+    usable = current.cache_dir is not None and not current.ignored(settings.CACHE_DIR)
+    return ResultCache(current.cache_dir / "preflight" if usable else None)

@@ -103,6 +103,13 @@ class _Group:
         self.stages_inert: bool | None = None if self.families else False
         self.proof: list[Item] = []
 
+    def undecided(self) -> list[Item]:
+        """Items neither measured, nor sharing a measured sibling's bytes, nor decided by the estimate at
+        every limit: after planning settles, they are compiled."""
+        self._share_stages()
+        return [item for item in self.unknown() if not item.submitted and (
+            item.interval is None or any(item.interval.decides(limit) is None for limit in self.limits))]
+
     def unknown(self) -> list[Item]:
         return [item for item in self.items if item.result is None and item.problem is None and item.sibling is None]
 
@@ -219,16 +226,26 @@ class Report:
         return all(self.verdict(kernel, variant, spec.name, gpu).verdict == FITS
                    for spec in self.kernels[kernel].specializations)
 
+    def _verdicts_of(self, kernel: int, spec: str, gpu: str) -> set[str]:
+        return {self.verdict(kernel, v, spec, gpu).verdict for v in range(len(self.kernels[kernel].variants))}
+
     def without_fit(self, kernel: int, gpu: str) -> list[str]:
-        """Specializations in which no config of the kernel fits ``gpu``."""
-        k = self.kernels[kernel]
-        return [spec.name for spec in k.specializations
-                if not any(self.verdict(kernel, v, spec.name, gpu).verdict == FITS for v in range(len(k.variants)))]
+        """Specializations in which no config of the kernel fits ``gpu`` and some overflows it."""
+        return [spec.name for spec in self.kernels[kernel].specializations
+                if FITS not in (found := self._verdicts_of(kernel, spec.name, gpu)) and OVERFLOWS in found]
+
+    def only_errors(self, kernel: int, gpu: str) -> list[str]:
+        """Specializations in which every config of the kernel failed to compile for another reason."""
+        return [spec.name for spec in self.kernels[kernel].specializations
+                if self._verdicts_of(kernel, spec.name, gpu) == {ERROR}]
 
     @property
     def exit_status(self) -> int:
-        return 1 if any(self.without_fit(k, gpu.name) for k in range(len(self.kernels))
-                        for gpu in self.checked_gpus()) else 0
+        """1: a kernel overflows some GPU whatever its config; else 2: one only failed to compile; else 0."""
+        pairs = [(k, gpu.name) for k in range(len(self.kernels)) for gpu in self.checked_gpus()]
+        if any(self.without_fit(k, gpu) for k, gpu in pairs):
+            return 1
+        return 2 if any(self.only_errors(k, gpu) for k, gpu in pairs) else 0
 
     def counts(self) -> dict[str, int]:
         counted = {MEASURED: 0, CACHED: 0, ESTIMATED: 0}
@@ -349,6 +366,10 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
         while True:
             batch = [item for group in groups for item in (group.unknown() if exact else group.to_compile())
                      if not item.submitted]
+            if not batch and not in_flight:
+                # Planning found nothing to compile, yet may have left items to the bytes of a stage
+                # variant already known (a warm cache): those it now shares; what no rule decides compiles.
+                batch = [item for group in groups for item in group.undecided()]
             # Longest first: the pool finishes together instead of waiting on one late big tile.
             for item in sorted(batch, key=lambda item: -_compile_cost(item.variant)):
                 item.submitted = True

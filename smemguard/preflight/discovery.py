@@ -77,14 +77,15 @@ def _open_target(target: str) -> tuple[ModuleType, str | None, str | None]:
     try:
         if looks_like_path:
             path = Path(where).expanduser().resolve()
-            if not path.is_file():
-                raise TargetError(f"{target!r}: no such file")
+            if not path.is_file():  # a FIFO is never opened: it would wait for a writer
+                raise TargetError(f"{target!r}: " + ("a directory, not a kernel file" if path.is_dir() else
+                                                      "not a regular file" if path.exists() else "no such file"))
             return _load_file(path), attribute, str(path)
         return importlib.import_module(where), attribute, None
     except TargetError:
         raise
-    except Exception as error:
-        raise TargetError(f"{target!r} could not be imported: {type(error).__name__}: {error}") from error
+    except (Exception, SystemExit) as error:  # a module calling sys.exit() at import must not pick our exit status
+        raise TargetError(f"{target!r} could not be imported: {type(error).__name__}: {error}") from None
 
 
 def _resolve_attribute(module: ModuleType, attribute: str):

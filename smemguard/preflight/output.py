@@ -86,6 +86,10 @@ def format_summary(report: Report) -> str:
             if missing:
                 lines.append(f"  NO FITTING CONFIG: {kernel.name} when launched {' / '.join(missing)}: "
                              f"OutOfResources on {gpu.name}")
+            failed = report.only_errors(k, gpu.name)
+            if failed:
+                lines.append(f"  NOT CHECKED: {kernel.name} when launched {' / '.join(failed)}: every config "
+                             "failed to compile for another reason (errors below)")
     errors: dict[str, list[str]] = {}
     for (k, v, spec, gpu), verdict in report.verdicts.items():
         if verdict.verdict == ERROR:

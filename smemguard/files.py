@@ -1,0 +1,152 @@
+"""Files smemguard reads or replaces that others may have written: the one home of opening them safely,
+replacing them atomically under a lock, and moving a bad one aside.
+
+* Only regular files are opened, and never with a blocking ``open``: a FIFO with no writer (or
+  no reader) would hang the command or the serving process forever, and a device such as
+  ``/dev/zero`` never ends. Every open is ``O_NONBLOCK``, then ``fstat`` decides.
+* Reads are bounded (:func:`read_bytes` takes a limit): a file larger than its kind can be is
+  refused, not read into memory.
+* A trusted file (the decision cache, :func:`check_trusted`) is refused when another user can
+  write it or the directory holding it, as ssh refuses a writable ``authorized_keys``: whoever can
+  write it decides what every worker of the host compiles.
+* :func:`replace` writes a temporary file beside the target and renames it over, so a reader never
+  sees half a file; :func:`exclusive` is the host-wide ``flock`` writers take around
+  read-change-replace; :func:`move_aside` keeps a corrupt file under a new name (nothing is lost).
+
+Every failure is an :class:`OSError` (:class:`Refused` for the refusals) whose ``str`` is one line
+for the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+#: What a path is, for the refusal line (``stat.S_IFMT`` -> words).
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+class Refused(OSError):
+    """A path smemguard will not use: not a regular file, too large, or writable by others."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class Untrusted(Refused):
+    """A file or directory that decides what runs, and that another user can write."""
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _opened(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of ``path`` opened without blocking; Refused unless it is a regular file."""
+    try:
+        descriptor = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0), mode)
+    except OSError as error:
+        if error.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise Refused(errno.EINVAL, f"{path} is a FIFO (named pipe), not a regular file") from None
+        raise
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise Refused(errno.EINVAL, f"{path} is {_kind(status.st_mode)}, not a regular file")
+        os.set_blocking(descriptor, True)
+        return descriptor
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def open_read(path: Path):
+    """``path`` opened for reading in binary, regular files only (OSError, Refused otherwise)."""
+    return os.fdopen(_opened(path, os.O_RDONLY), "rb")
+
+
+def open_append(path: Path):
+    """``path`` opened for appending text (created when missing), regular files only."""
+    return os.fdopen(_opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
+
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The contents of regular file ``path``; Refused when it holds more than ``limit`` bytes."""
+    with open_read(path) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise Refused(errno.EFBIG, f"{path} is larger than {_size(limit)}, more than such a file can hold")
+    return data
+
+
+def _size(count: int) -> str:
+    return f"{count // 2**20} MiB" if count >= 2**20 else f"{count // 2**10} KiB"
+
+
+def _trust_problem(path: Path) -> str | None:
+    try:
+        status = os.stat(path)
+    except OSError:  # missing: created by us; unreadable: the open says why
+        return None
+    if status.st_uid not in (os.getuid(), 0):
+        return f"{path} belongs to another user (uid {status.st_uid}); fix: use a directory of your own"
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} can be written by {'others' if status.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {stat.S_IMODE(status.st_mode):o}); fix: chmod go-w {path}")
+    return None
+
+
+def check_trusted(*paths: Path) -> None:
+    """Untrusted when one of ``paths`` (files or directories that decide what runs) is owned by
+    another user, or can be written by its group or others; a missing path is no problem."""
+    for path in paths:
+        problem = _trust_problem(path)
+        if problem is not None:
+            raise Untrusted(errno.EPERM, problem)
+
+
+def make_directory(path: Path) -> None:
+    """Create ``path`` (and its parents) for smemguard's own files, readable by its owner only."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block."""
+    descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
+
+
+def replace(path: Path, text: str, mode: int = 0o600) -> os.stat_result:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; return its stat."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(text)
+            os.fchmod(out.fileno(), mode)
+            status = os.fstat(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return status
+
+
+def move_aside(path: Path) -> Path:
+    """Keep ``path`` as it is under a new name beside it (``<name>.bad-<time>-<pid>``); return that name."""
+    aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.replace(path, aside)
+    return aside

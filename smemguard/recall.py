@@ -1,0 +1,127 @@
+"""Applying a decision stored in the decision cache (:mod:`smemguard.decisions`) to a failing launch,
+or to a compile Triton is about to run.
+
+An entry is untrusted input, even from a trusted directory (another version, a hand edit, a bug):
+before it is applied it is checked against what recovery could have produced for this very
+launch: a stage count and a warp count no larger than those of the variant it replaces, warps a
+power of two within the device's thread limit, a config of the kernel's own list (or a
+fewer-stage variant of one). An entry that fails is ignored with one warning, and the launch is
+recovered as if nothing were stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from . import decisions, introspect, ladder, registry
+from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
+from .launch import try_compile, with_config
+
+log = logging.getLogger(__name__)
+
+#: Threads per block no GPU exceeds.
+MAX_THREADS = 1024
+
+_warned: set[str] = set()
+
+
+def options_problem(options: dict, stages: int, warps: int, warp_size: int) -> str | None:
+    """Why stored ``options`` cannot replace a variant compiled with ``stages`` and ``warps``, or None."""
+    most_warps = min(warps, MAX_THREADS // warp_size)
+    if options.get("num_stages", stages) > stages:
+        return f"num_stages {options['num_stages']} is more than the {stages} of the variant it replaces"
+    if not decisions.power_of_two(options.get("num_warps", warps), most_warps):
+        return f"num_warps {options['num_warps']} is not a power of two from 1 to {most_warps}"
+    return None
+
+
+def _ignored(key: str, why: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("smemguard: ignoring stored decision %s (%s): recovering as if nothing were stored", key, why)
+
+
+def remembered_options(jit, jit_key: str, device: int, options, directory: Path | None) -> dict | None:
+    """Option overrides remembered for the variant Triton is about to compile with ``options``
+    (Triton's parsed options; compile-time patch), None when there are none that apply."""
+    store = decisions.store(directory)
+    if store is None:
+        return None
+    key = decisions.case_id(decisions.compile_case(jit, jit_key, device))
+    entry = store.get("compile", key)
+    if entry is None:
+        return None
+    why = options_problem(entry["options"], options.num_stages, options.num_warps, getattr(options, "warp_size", 32))
+    if why is not None:
+        _ignored(key, why)
+        return None
+    return dict(entry["options"])
+
+
+def _config_from_entry(launch, entry: dict):
+    """The tuner config described by ``entry`` (one of its own, or a fewer-stage variant), or None."""
+    for config in ladder.allowed_configs(launch):
+        fields = introspect.config_fields(config)
+        same_but_stages = all(entry.get(name) == value for name, value in fields.items() if name != "num_stages")
+        if same_but_stages and config.num_stages >= entry["num_stages"]:
+            if config.num_stages == entry["num_stages"]:
+                return config
+            return ladder.variant(config, num_stages=entry["num_stages"]) if ladder.takes_variants(launch) else None
+    return None
+
+
+def _from_entry(launch, failing, kind: str, key: str, entry: dict):
+    """Apply a stored decision to this launch: one compile to confirm it fits, no other candidate."""
+    if kind == "compile":
+        metadata = failing.metadata
+        why = options_problem(entry["options"], metadata.num_stages, metadata.num_warps,
+                              getattr(metadata, "warp_size", 32))
+        if why is not None:
+            _ignored(key, why)
+            return None
+        kernel, attempt = try_compile(launch, "remembered", **entry["options"])
+        if attempt.fits:
+            return Decision(entry["action"], (attempt,), final=attempt.config, replacement=kernel,
+                            options=dict(entry["options"]), remembered=True)
+        return None
+    action = entry["action"]
+    if action == CONFIG_CHANGED:
+        config = _config_from_entry(launch, entry["config"])
+        if config is None:
+            _ignored(key, "its config is not one of the kernel's own")
+            return None
+        _, attempt = try_compile(with_config(launch, config), introspect.config_text(config))
+        if attempt.fits:
+            ladder.adopt(launch, config)
+            return Decision(CONFIG_CHANGED, (attempt,), config=config, final=attempt.config, remembered=True)
+        return None
+    fallback = registry.fallback_for(launch.jit)
+    if action == FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
+        return Decision(FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}", remembered=True)
+    if action == RERAISED and fallback is None:
+        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)
+    return None
+
+
+def recall(launch, failing, cases: dict, store: decisions.Store):
+    """The decision stored for one of ``cases``, applied to ``launch``; None when there is none that applies."""
+    for kind, case in cases.items():
+        key = decisions.case_id(case)
+        entry = store.get(kind, key)
+        if entry is not None:
+            decision = _from_entry(launch, failing, kind, key, entry)
+            if decision is not None:
+                return decision
+    return None
+
+
+def remember(launch, failing, decision, cases: dict, store: decisions.Store):
+    """Store ``decision``; if another process stored this case first, apply theirs instead."""
+    kind, entry = decisions.entry_of(decision, cases["compile" if decision.options is not None else "launch"])
+    key = decisions.case_id(cases[kind])
+    standing = store.put(kind, key, entry)
+    if standing is entry:
+        return decision
+    theirs = _from_entry(launch, failing, kind, key, standing)
+    return theirs if theirs is not None else decision
