@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 
-from . import incidents, metrics, settings as settings_module
+from . import metrics, runtime, settings as settings_module
 from ._version import __version__
 from .settings import Settings, SettingsError
 
@@ -48,7 +48,7 @@ def _patch_library(module, reason: str) -> None:
         return
     refusal = module.SUPPORTED.refusal()
     if refusal is not None:
-        incidents.warn_once(("unsupported", module.__name__), "smemguard: %s; %s is left untouched and runs "
+        runtime.warn_once(log, ("unsupported", module.__name__), "smemguard: %s; %s is left untouched and runs "
                             "unguarded. Fix: upgrade smemguard.", refusal, module.TARGET)
         return
     try:
@@ -118,7 +118,7 @@ def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
     try:
         return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs, settings)
     except Exception:
-        incidents.warn_once(("inductor", "internal"), "smemguard: internal error while recovering a torch.compile "
+        runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a torch.compile "
                             "kernel; Inductor's own error is raised (smemguard's bug: please report it)",
                             exc_info=True)
         return None

@@ -29,7 +29,6 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # the records' "time"; `smemguard report` p
 
 _write_lock = threading.Lock()
 _unwritable: set[Path] = set()
-_warned: set[tuple] = set()
 _sequence = 0
 
 
@@ -70,14 +69,6 @@ def write(record: dict, path: Path | None) -> str | None:
                         "Fix: point SMEMGUARD_LOG at a writable file.", path, error.strerror or error)
             return None
     return f"{path}#{record['id']}"
-
-
-def warn_once(case: tuple, message: str, *args, exc_info: bool = False) -> None:
-    """Log ``message`` at WARNING the first time ``case`` (kernel, device, config) is seen, else at DEBUG."""
-    with _write_lock:
-        first = case not in _warned
-        _warned.add(case)
-    log.log(logging.WARNING if first else logging.DEBUG, message, *args, exc_info=exc_info)
 
 
 def host() -> str:
@@ -134,7 +125,7 @@ def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> s
     where the record went; returns that location."""
     where = write(record, path)
     metrics.count(record)
-    warn_once(case, message + "%s", *args, f"; record {where}" if where else "")
+    runtime.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")
     log.debug("smemguard incident: %s", record)
     return where
 

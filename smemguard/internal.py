@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from . import incidents
+from . import runtime
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,6 @@ class Steps:
     def note(self, step: str, consequence: str = "the original error is raised") -> None:
         """Count and log the exception being handled as a failure of ``step``."""
         self.failed.append(step)
-        incidents.warn_once(("internal", step, self.subject),
+        runtime.warn_once(log, ("internal", step, self.subject),
                             "smemguard: internal error in step %r for %s; %s (smemguard's bug: please report it)",
                             step, self.subject, consequence, exc_info=True)

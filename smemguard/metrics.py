@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from . import files
+from . import files, runtime
 from ._version import __version__
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,6 @@ _settings = None  # the installed guard's settings
 _textfile: Path | None = None
 _last_written: tuple | None = None  # (path, the text this process wrote there last, its Tally)
 _watching = False  # the post-import hook on prometheus_client is registered
-_warned: set[str] = set()
 
 
 def labels_of(record: dict) -> dict[str, str]:
@@ -190,12 +189,6 @@ def _client():
     return prometheus_client
 
 
-def _warn_once(key: str, message: str, *args, exc_info: bool = False) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args, exc_info=exc_info)
-
-
 class _Live:
     """The live series in prometheus_client's default registry (files in PROMETHEUS_MULTIPROC_DIR when set)."""
 
@@ -229,7 +222,7 @@ def _live_series():
             _live = _Live(client)
         except ValueError as error:  # a name already registered by someone else
             _live = False
-            _warn_once("registry", "smemguard: no Prometheus metrics in this process: %s", error)
+            runtime.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s", error)
     return _live or None
 
 
@@ -246,7 +239,7 @@ def configure(settings) -> None:
             _settings = settings
             _textfile = settings.metrics_file if settings is not None else None
             if _textfile is not None and importlib.util.find_spec("prometheus_client") is None:
-                _warn_once("client", "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
+                runtime.warn_once(log, ("metrics", "client"), "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
                            "installed; no metrics are written. Fix: pip install 'smemguard[metrics]'", _textfile)
             if _watching or settings is None:
                 if "prometheus_client" in sys.modules:
@@ -257,7 +250,7 @@ def configure(settings) -> None:
 
         wrapt.register_post_import_hook(_publish_info, "prometheus_client")
     except Exception:  # metrics are never the reason smemguard does not install
-        _warn_once("configure", "smemguard: could not set up its Prometheus metrics", exc_info=True)
+        runtime.warn_once(log, ("metrics", "configure"), "smemguard: could not set up its Prometheus metrics", exc_info=True)
 
 
 def _publish_info(_module=None) -> None:
@@ -279,7 +272,7 @@ def _publish_info(_module=None) -> None:
                 _info_labels = (__version__, runtime.triton_version(), _settings.mode, limit)
                 live.info.labels(*_info_labels).set(1)
     except Exception:
-        _warn_once("info", "smemguard: could not publish smemguard_info", exc_info=True)
+        runtime.warn_once(log, ("metrics", "info"), "smemguard: could not publish smemguard_info", exc_info=True)
 
 
 def count(record: dict) -> None:
@@ -292,7 +285,7 @@ def count(record: dict) -> None:
             if _textfile is not None and _client() is not None:
                 _update_textfile(_textfile, record)
     except Exception:
-        _warn_once("count", "smemguard: could not count an incident in its Prometheus metrics", exc_info=True)
+        runtime.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics", exc_info=True)
 
 
 def _update_textfile(path: Path, record: dict) -> None:
@@ -300,7 +293,7 @@ def _update_textfile(path: Path, record: dict) -> None:
     (``.<name>.lock`` beside it, :mod:`smemguard.files`), so a reader never sees half a file and
     concurrent writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
     global _last_written
-    if str(path) in _warned:
+    if runtime.warned(("metrics", str(path))):
         return
     try:
         files.make_directory(path.parent)
@@ -312,7 +305,7 @@ def _update_textfile(path: Path, record: dict) -> None:
             files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
             _last_written = (path, text, tally)
     except OSError as error:
-        _warn_once(str(path), "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
+        runtime.warn_once(log, ("metrics", str(path)), "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
                    "SMEMGUARD_METRICS_FILE at a writable file.", path, error.strerror or error)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from . import decisions, introspect, ladder, registry
+from . import decisions, introspect, ladder, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
 from .launch import try_compile, with_config
 
@@ -22,9 +22,6 @@ log = logging.getLogger(__name__)
 
 #: Threads per block no GPU exceeds.
 MAX_THREADS = 1024
-
-_warned: set[str] = set()
-
 
 def options_problem(options: dict, stages: int, warps: int, warp_size: int) -> str | None:
     """Why stored ``options`` cannot replace a variant compiled with ``stages`` and ``warps``, or None."""
@@ -37,9 +34,8 @@ def options_problem(options: dict, stages: int, warps: int, warp_size: int) -> s
 
 
 def _ignored(key: str, why: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("smemguard: ignoring stored decision %s (%s): recovering as if nothing were stored", key, why)
+    runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (%s): recovering as if "
+                      "nothing were stored", key, why)
 
 
 def remembered_options(jit, jit_key: str, device: int, options, directory: Path | None) -> dict | None:

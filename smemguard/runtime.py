@@ -36,6 +36,32 @@ def quiet_triton() -> Iterator[None]:
         yield
 
 
+# -- warnings once per process ----------------------------------------------------------------
+
+_warned: set = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(logger: logging.Logger, case, message: str, *args, exc_info: bool = False) -> None:
+    """Log ``message`` on ``logger`` at WARNING the first time ``case`` (a kernel and config, a path, a
+    patch) is seen in this process, afterwards at DEBUG: the one warn-once of the package."""
+    with _warned_lock:
+        first = case not in _warned
+        _warned.add(case)
+    logger.log(logging.WARNING if first else logging.DEBUG, message, *args, exc_info=exc_info)
+
+
+def warned(case) -> bool:
+    """Whether :func:`warn_once` has warned about ``case`` in this process."""
+    with _warned_lock:
+        return case in _warned
+
+
+def forget_warnings() -> None:
+    with _warned_lock:
+        _warned.clear()
+
+
 def triton_version() -> str:
     import triton
 

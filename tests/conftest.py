@@ -16,7 +16,7 @@ os.environ["TRITON_HOME"] = _CACHES
 import pytest  # noqa: E402
 
 import smemguard  # noqa: E402
-from smemguard import guard, incidents  # noqa: E402
+from smemguard import guard, runtime  # noqa: E402
 from smemguard.settings import Settings  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def install_guard(incident_log):
         assert smemguard.install(settings)
         return settings
 
-    incidents._warned.clear()
+    runtime.forget_warnings()
     yield install
     smemguard.uninstall()
 

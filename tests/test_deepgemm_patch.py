@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import patch_context, records, run_python
-from smemguard import incidents
+from smemguard import runtime
 from smemguard.fallbacks import paged_mqa_logits_metadata
 from smemguard.patches import deepgemm_metadata as patch_module
 from smemguard.settings import Settings
@@ -108,7 +108,7 @@ def standin(tmp_path, monkeypatch):
                         (patch_module.TARGET_MODULE, module), ("standin_indexer", caller)):
         monkeypatch.setitem(sys.modules, name, value)
     monkeypatch.setattr(patch_module, "_arch_major", lambda device: 9)  # CPU tensors stand for an H100's
-    monkeypatch.setattr(incidents, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", set())
     module.original = module.get_paged_mqa_logits_metadata
     module.caller = caller
     module.deep_gemm_dir = deep_gemm_dir
@@ -328,7 +328,7 @@ def real_vllm(monkeypatch):
     pytest.importorskip("vllm")
     import vllm.utils.deep_gemm as module
 
-    monkeypatch.setattr(incidents, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", set())
     yield module
     patch_module.unpatch()
 

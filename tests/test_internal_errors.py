@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from smemguard import decisions, incidents, ladder, launch, recovery
+from smemguard import decisions, incidents, ladder, launch, recall, recovery
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -53,7 +53,7 @@ PLAIN_KERNEL_STEPS = [
     ("open the decision store", decisions, "store", always_failing, "recovered"),
     ("key the stored decisions", decisions, "cases_for", always_failing, "recovered"),
     ("decide", ladder, "decide", failing_once, "raised"),
-    ("store the decision", decisions, "remember", always_failing, "recovered"),
+    ("store the decision", recall, "remember", always_failing, "recovered"),
     ("replace in the JIT cache", recovery, "replace_in_jit_cache", failing_once, "raised"),
 ]
 
@@ -93,7 +93,7 @@ def test_a_failing_recall_still_recovers_by_deciding_again(install_guard, incide
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
         launch_it()
     recovery.forget()
-    monkeypatch.setattr(decisions, "recall", always_failing(decisions.recall))
+    monkeypatch.setattr(recall, "recall", always_failing(recall.recall))
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
         launch_it()
         assert gpu.launches[-1].num_stages == 3

@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from smemguard import __version__, cli, metrics, settings
+from smemguard import __version__, cli, metrics, runtime, settings
 from smemguard.settings import Settings
 from smemguard.testing import fake_gpu
 
@@ -214,7 +214,7 @@ def test_the_textfile_is_replaced_atomically_and_concurrent_processes_lose_no_co
 def textfile_only(tmp_path):
     """The textfile configured without installing the guard."""
     metrics.configure(Settings(metrics_file=tmp_path / "smemguard.prom"))
-    metrics._warned.clear()
+    runtime.forget_warnings()
     yield tmp_path / "smemguard.prom"
     metrics.configure(None)
 
@@ -237,7 +237,7 @@ def test_a_textfile_smemguard_did_not_write_is_moved_aside(textfile_only, caplog
 def test_an_unwritable_textfile_warns_once_and_counting_goes_on(tmp_path, caplog):
     (tmp_path / "file").write_text("")
     metrics.configure(Settings(metrics_file=tmp_path / "file" / "smemguard.prom"))
-    metrics._warned.clear()
+    runtime.forget_warnings()
     try:
         before = value("smemguard_incidents_total", kernel="k:one", resource="shared memory", action="fallback",
                        gpu="unknown")

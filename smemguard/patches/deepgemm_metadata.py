@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import Layer, wrapt_layer
-from .. import incidents
+from .. import incidents, runtime
 from ..versions import Supported
 
 log = logging.getLogger(__name__)
@@ -213,14 +213,14 @@ def _fallback(wrapped, args, kwargs, error: RuntimeError):
             return None
         call = _bind(wrapped, args, kwargs)
         if call.indices is not None:
-            incidents.warn_once((KERNEL, "varlen"), "smemguard: %s refused a varlen batch (%s); smemguard has no "
+            runtime.warn_once(log, (KERNEL, "varlen"), "smemguard: %s refused a varlen batch (%s); smemguard has no "
                                 "torch schedule for varlen calls, so the error is raised", KERNEL, error)
             return None
         deep_gemm = _deep_gemm(wrapped)
         scheduler = installed_scheduler(_include_dir(deep_gemm), _arch_major(call.context_lens.device),
                                         call.next_n, call.block_size)
         if scheduler is None:
-            incidents.warn_once((KERNEL, "unknown"), "smemguard: %s refused the batch (%s), but the installed "
+            runtime.warn_once(log, (KERNEL, "unknown"), "smemguard: %s refused the batch (%s), but the installed "
                                 "DeepGEMM's scheduler is not one smemguard can reproduce exactly; the error is "
                                 "raised", KERNEL, error)
             return None

@@ -35,10 +35,13 @@ runs unguarded.
 
 from __future__ import annotations
 
+import logging
 import sys
 
-from .. import incidents, layers, registry
+from .. import layers, registry, runtime
 from ..versions import Supported
+
+log = logging.getLogger(__name__)
 
 LIBENTRY_MODULE = "flag_gems.utils.libentry"
 # FlagGems imports its per-arch package with its own folder on sys.path: on a Hopper GPU the
@@ -127,7 +130,7 @@ def _register_fallbacks() -> None:
         if any(kernel is known for known in _kernels):
             continue
         if not params <= set(getattr(kernel, "arg_names", ())):
-            incidents.warn_once(("flaggems", module_name, kernel_name),
+            runtime.warn_once(log, ("flaggems", module_name, kernel_name),
                                 "smemguard: %s.%s has unexpected parameters; no fallback registered for it "
                                 "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
             continue
@@ -144,7 +147,7 @@ def patch(context) -> None:
         except AttributeError as error:
             version = getattr(sys.modules.get("flag_gems"), "__version__", "?")
             # Every import of a FlagGems module comes back here: one line, then DEBUG.
-            incidents.warn_once(("flaggems", "layers"),
+            runtime.warn_once(log, ("flaggems", "layers"),
                                 "smemguard: FlagGems %s's LibEntry/LibTuner differ from %s (%s); FlagGems kernels run "
                                 "unguarded. Fix: upgrade smemguard.", version, CHECKED, error)
             return
