@@ -114,6 +114,24 @@ def test_a_depth_parameter_under_a_pruner_that_pins_one_overflowing_config_keeps
     assert gpu.launches[-1].shared == 49152
 
 
+def test_other_configs_are_tried_with_fewer_stages_through_their_depth_parameter(install_guard, incident_log,
+                                                                                 triton_cache):
+    """Rung 2: one stage of the tuned 128x128x128 tile needs 65536 B; the other config's fewer-stage
+    variant fits because its NUM_STAGES goes down with num_stages (alone, it would keep 65536 B)."""
+    configs = [triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=2), num_stages=2),
+               triton.Config({**TILE, "NUM_STAGES": 4}, num_stages=4)]
+    tuned = triton.autotune(configs=configs, key=["M", "N", "K"])(depth_parameter_matmul)
+    tuned.cache[(128, 128, 128, "torch.float16", "torch.float16", "torch.float16")] = configs[0]  # tuned elsewhere
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu(90, max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        tuned[tiled_grid(128, 128)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    assert record["action"] == "config_changed"
+    assert record["final"] == "BLOCK_M=64 BLOCK_N=64 BLOCK_K=64 NUM_STAGES=3 num_warps=4 num_stages=3"
+    assert gpu.launches[-1].shared == 49152
+
+
 def test_a_depth_passed_through_a_called_jit_function_is_lowered(install_guard, incident_log, triton_cache):
     a, b, c = operands()
     install_guard()
