@@ -192,7 +192,10 @@ def _read(jit, depth: int) -> _Facts | None:
     function = ast.parse(textwrap.dedent("".join(lines))).body[0]
     if not isinstance(function, ast.FunctionDef):
         return None
-    reader = _Reader(fn, [arg.arg for arg in function.args.args], first_line - 1, depth)
+    params = [arg.arg for arg in function.args.args]
+    local_names = {*params, *(node.id for node in ast.walk(function) if isinstance(node, ast.Name)
+                              and isinstance(node.ctx, ast.Store))}
+    reader = _Reader(_Scope(fn, frozenset(local_names)), params, first_line - 1, depth)
     for statement in function.body:
         reader.visit(statement)
     return reader.facts
@@ -201,9 +204,9 @@ def _read(jit, depth: int) -> _Facts | None:
 class _Reader(ast.NodeVisitor):
     """One pass over a function body: every read of a parameter, every loop, every call."""
 
-    def __init__(self, fn, params: list, line_offset: int, depth: int) -> None:
-        self.fn = fn
-        self.name = getattr(fn, "__qualname__", "?")
+    def __init__(self, scope: "_Scope", params: list, line_offset: int, depth: int) -> None:
+        self.scope = scope
+        self.name = getattr(scope.function, "__qualname__", "?")
         self.line_offset = line_offset
         self.depth = depth
         self.facts = _Facts(params, {name: [] for name in params}, [])
@@ -224,7 +227,7 @@ class _Reader(ast.NodeVisitor):
 
     def visit_For(self, node: ast.For) -> None:
         if isinstance(node.iter, ast.Call):
-            callee = _resolve(node.iter.func, self.fn)
+            callee = _resolve(node.iter.func, self.scope)
             if _is_triton_range(callee):
                 self.facts.loops.append(self.range_loop(node.iter))
             elif callee is builtins.range:
@@ -245,10 +248,10 @@ class _Reader(ast.NodeVisitor):
         return _Loop(_FIXED, ast.unparse(stages), self.name, line)
 
     def visit_Call(self, node: ast.Call) -> None:
-        callee = _resolve(node.func, self.fn)
+        callee = _resolve(node.func, self.scope)
         if _is_jit(callee):
             self.call_jit(node, callee)
-        elif not (_is_triton_range(callee) or _is_library(callee) or _is_method_of_a_value(node.func, self.fn)):
+        elif not (_is_triton_range(callee) or _is_library(callee) or _is_method_of_a_value(node.func, self.scope)):
             self.facts.complete = False  # it may hide a loop; a parameter passed to it is "other use"
         for keyword in node.keywords:
             if keyword.arg == "num_warps" and isinstance(keyword.value, ast.Name) \
@@ -291,14 +294,24 @@ def _defaults(jit) -> dict:
     return {param.name: param.default for param in getattr(jit, "params", ()) if getattr(param, "has_default", False)}
 
 
-def _resolve(node: ast.expr, fn):
-    """The object a name or attribute chain in ``fn``'s body stands for, as Triton resolves it
-    (closure, then globals, then builtins); None when it is not a global object."""
+@dataclass(frozen=True)
+class _Scope:
+    """A jit function's Python function and the names its body binds itself (parameters, assignments,
+    loop variables): those shadow globals and builtins (``input.to(...)`` is a tensor's method)."""
+
+    function: object
+    local_names: frozenset
+
+
+def _resolve(node: ast.expr, scope: _Scope):
+    """The object a name or attribute chain in a body stands for, as Triton resolves it (closure,
+    then globals, then builtins); None when it is a local value, not a global object."""
     if isinstance(node, ast.Attribute):
-        base = _resolve(node.value, fn)
+        base = _resolve(node.value, scope)
         return getattr(base, node.attr, None) if base is not None else None
-    if not isinstance(node, ast.Name):
+    if not isinstance(node, ast.Name) or node.id in scope.local_names:
         return None
+    fn = scope.function
     closure = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in (fn.__closure__ or ()))))
     if node.id in closure:
         return closure[node.id]
@@ -320,17 +333,18 @@ def _is_triton_range(obj) -> bool:
 
 
 def _is_library(obj) -> bool:
-    """Triton's own language functions and Python's builtins: they hold no pipelined loop."""
+    """Triton's own language functions, ``constexpr_function``s (run while compiling) and Python's
+    builtins: they hold no pipelined loop."""
     if obj is None:
         return False
-    module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", "")
-    return module == "builtins" or module.startswith("triton.")
+    modules = (getattr(obj, "__module__", None) or "", type(obj).__module__)
+    return "builtins" in modules or any(module == "triton" or module.startswith("triton.") for module in modules)
 
 
-def _is_method_of_a_value(func: ast.expr, fn) -> bool:
+def _is_method_of_a_value(func: ast.expr, scope: _Scope) -> bool:
     """``acc.to(tl.float16)``: a method of a value computed in the body (a tensor), not of a global."""
     if not isinstance(func, ast.Attribute):
         return False
     while isinstance(func, ast.Attribute):
         func = func.value
-    return not isinstance(func, ast.Name) or _resolve(func, fn) is None
+    return not isinstance(func, ast.Name) or _resolve(func, scope) is None

@@ -77,6 +77,7 @@ class _Measured:
     # False where num_stages changes no byte: no software pipeliner before sm_80, or no loop of the kernel
     # follows the option or a pipeline-depth parameter (smemguard.knobs).
     stages_matter: bool = True
+    pinned: str = ""  # the tuner's pruner keeps a single config: which, and whose pruner
     # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
     estimated: tuple | None = None
     compile_ms: float = 0.0
@@ -258,9 +259,9 @@ def _candidate_configs(launch: Launch, reference, measured: _Measured):
     timings = runtime.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
     allowed = allowed_configs(launch)
     if launch.tuner is not None and len(allowed) == 1 < len(launch.tuner.configs):
-        pruner = introspect.callable_name(launch.tuner.early_config_prune)
-        measured.skipped.append(f"the other {len(launch.tuner.configs) - 1} configs: the tuner's pruner {pruner} "
-                                f"pins {introspect.config_text(allowed[0])}")
+        measured.pinned = (f"the tuner's pruner {introspect.callable_name(launch.tuner.early_config_prune)} pins "
+                           f"{introspect.config_text(allowed[0])}")
+        measured.skipped.append(f"the other {len(launch.tuner.configs) - 1} configs: {measured.pinned}")
     others = [c for c in allowed if launch.config is None or c != launch.config]
     timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
     untimed = _order([c for c in others if c not in timings], reference, limit)
@@ -289,8 +290,7 @@ def variant(config, **options):
 
 
 def option_variant(launch: Launch, config, **options):
-    """:func:`variant`, with the parameters that follow those options (a pipeline depth the kernel
-    gives its loops, :mod:`smemguard.knobs`) lowered with them, as :meth:`Launch.compile` does."""
+    """:func:`variant`, with the parameters that follow ``options`` lowered as :meth:`Launch.compile` does."""
     changed = variant(config, **options)
     try:
         following = knobs.knobs_of(launch.jit).lowered_with(options, config.kwargs)
@@ -382,9 +382,7 @@ def decide(launch: Launch, failing, error) -> Decision:
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
                         final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped, compile_ms=compile_ms)
-    reason = _why_nothing_fits(launch, budget)
-    if measured.stages_inert:
-        reason = f"{measured.stages_inert}; {reason}"
+    reason = "; ".join(filter(None, (measured.stages_inert, measured.pinned, _why_nothing_fits(launch, budget))))
     return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped, compile_ms=compile_ms)
 
 

@@ -69,6 +69,22 @@ def test_each_parameter_gets_the_role_its_uses_give_it():
     assert knobs_of(_depth_assigned_in_the_body).roles["DEPTH"] == OTHER, "a reassigned parameter is no pure knob"
 
 
+@triton.jit
+def _one_dot_no_loop(a_ptr, b_ptr, c_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    input = tl.dot(tl.load(a_ptr + rm[:, None] * BK + rk[None, :]), tl.load(b_ptr + rk[:, None] * BN + rn[None, :]))
+    tl.store(c_ptr + rm[:, None] * BN + rn[None, :], input.to(tl.float16))  # a local named like a builtin
+
+
+def test_a_kernel_without_a_loop_keeps_its_bytes_at_any_stage_count(triton_cache):
+    assert knobs_of(_one_dot_no_loop).stages_futile() == "the kernel has no loop to pipeline, so stages change no byte"
+    a, c = torch.empty(128 * 64, dtype=torch.float16), torch.empty(128 * 128, dtype=torch.float16)
+    with fake_gpu(90, max_shared=LIMIT, cache_dir=triton_cache):
+        shared = {_one_dot_no_loop.warmup(a, a, c, 128, 128, 64, num_stages=stages, grid=(1,)).metadata.shared
+                  for stages in (1, 4)}
+    assert shared == {32768}
+
+
 def test_loops_that_follow_the_option_or_a_depth_parameter_are_told_from_fixed_ones():
     assert knobs_of(matmul_kernel).following_loops == 1 and knobs_of(matmul_kernel).stages_futile() is None
     assert knobs_of(depth_passed_to_a_helper).stages_futile() is None
@@ -112,6 +128,20 @@ def test_a_depth_parameter_under_a_pruner_that_pins_one_overflowing_config_keeps
     assert record["final"] == "BLOCK_M=64 BLOCK_N=64 BLOCK_K=64 NUM_STAGES=3 num_warps=4 num_stages=3"
     assert any("pruner test_knobs:pin_the_first pins BLOCK_M=64" in text for text in record["skipped"])
     assert gpu.launches[-1].shared == 49152
+
+
+def test_when_the_pinned_config_cannot_fit_the_re_raise_names_the_pinning(install_guard, incident_log, triton_cache):
+    configs = [triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=2), num_stages=2),
+               triton.Config({**TILE, "NUM_STAGES": 4}, num_stages=4)]
+    tuned = triton.autotune(configs=configs, key=["M", "N", "K"],
+                            prune_configs_by={"early_config_prune": pin_the_first})(depth_parameter_matmul)
+    a, b, c = operands()
+    install_guard()
+    with fake_gpu(90, max_shared=LIMIT, cache_dir=triton_cache), pytest.raises(OutOfResources):
+        tuned[tiled_grid(128, 128)](*matmul_args(a, b, c))  # one stage of 128x128x128 needs 65536 B
+    (record,) = records(incident_log)
+    assert record["action"] == "reraised" and record["attempts"][1]["changes"] == "NUM_STAGES=1 num_stages=1"
+    assert "the tuner's pruner test_knobs:pin_the_first pins BLOCK_M=128" in record["reason"]
 
 
 def test_other_configs_are_tried_with_fewer_stages_through_their_depth_parameter(install_guard, incident_log,
