@@ -38,7 +38,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from . import estimate, introspect, registry, runtime
+from . import estimate, introspect, knobs, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 
@@ -73,9 +73,11 @@ class _Measured:
     limit: int
     overflowing: list = dataclasses.field(default_factory=list)  # (constexprs, num_stages) measured too big
     skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
-    stages_inert: str = ""  # why fewer stages were given up, when they did not lower the bytes
-    # False where Triton runs no software pipeliner (before sm_80): num_stages changes no byte there.
+    stages_inert: str = ""  # why fewer stages were given up: they did not lower the bytes, or cannot
+    # False where num_stages changes no byte: no software pipeliner before sm_80, or no loop of the kernel
+    # follows the option or a pipeline-depth parameter (smemguard.knobs).
     stages_matter: bool = True
+    pinned: str = ""  # the tuner's pruner keeps a single config: which, and whose pruner
     # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
     estimated: tuple | None = None
     compile_ms: float = 0.0
@@ -84,14 +86,20 @@ class _Measured:
     def of(cls, launch: Launch, failing, error) -> "_Measured":
         measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
         arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
-        measured.stages_matter = arch is None or estimate.stages_change_bytes(arch, None)
+        futile = knobs.knobs_of(launch.jit).stages_futile()
+        if arch is not None and not estimate.stages_change_bytes(arch, None):
+            futile = "Triton pipelines nothing before sm_80, stages change no byte"
+        if futile:
+            measured.stages_matter, measured.stages_inert = False, futile
         signature = getattr(getattr(failing, "src", None), "signature", None) or {}
         pointer_types = [match.group(1) for ty in signature.values()
                          if isinstance(ty, str) and (match := _OPERAND_TYPE.match(ty))]
         own = estimate.envelope(arch, _constexprs(launch), pointer_types, failing.metadata.num_stages,
                                 failing.metadata.num_warps)
-        # Trusted for this kernel only when its own measurement is what a calibrated matmul's would be.
-        if own is not None and error.required is not None and own.holds(error.required):
+        # Trusted for this kernel only when its own measurement is what a calibrated matmul's would be, and
+        # its loops' depth is the option's (the calibration's).
+        if (own is not None and error.required is not None and own.holds(error.required)
+                and not knobs.knobs_of(launch.jit).writes_depth()):
             measured.estimated = (arch, pointer_types)
         return measured
 
@@ -145,10 +153,12 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
             yield ("num_warps", warps, *try_compile(launch, f"num_warps={warps}", num_warps=warps))
             warps //= 2
         return
-    last_stages, last_bytes = failing.metadata.num_stages, error.required
+    # A pipeline-depth parameter deeper than the option is the depth its loops run at (it is lowered with the option).
+    last_stages = max(failing.metadata.num_stages, knobs.knobs_of(launch.jit).depth(launch.named_args()))
+    last_bytes = error.required
     counts = "1" if last_stages == 2 else f"1 to {last_stages - 1}"
     if not measured.stages_matter and last_stages > 1:
-        measured.skipped.append(f"num_stages={counts}: Triton pipelines nothing before sm_80, stages change no byte")
+        measured.skipped.append(f"num_stages={counts}: {measured.stages_inert}")
         return
     bound = measured.too_big(_constexprs(launch), 1, failing.metadata.num_warps)
     if bound is not None and last_stages > 1:
@@ -172,6 +182,9 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
         if per_stage <= 0:
             measured.stages_inert = (f"fewer stages did not lower the shared memory ({last_bytes} B at "
                                      f"{last_stages} stages, {attempt.required} B at {stages})")
+            fixed = knobs.knobs_of(launch.jit).fixed_text()
+            if fixed:
+                measured.stages_inert += f"; loops that set their own num_stages: {fixed}"
             return
         last_stages, last_bytes = stages, attempt.required
         predicted = min(stages - 1, stages - math.ceil((attempt.required - measured.limit) / per_stage))
@@ -229,16 +242,23 @@ def _order(configs: list, reference, limit: int) -> list:
     return sorted(configs, key=rank)
 
 
-def _candidate_configs(launch: Launch, reference, limit: int, stages_matter: bool):
+def _candidate_configs(launch: Launch, reference, measured: _Measured):
     """(candidate, the allowed config it derives from): the other allowed configs as they are
     first, then with fewer stages (where stages change the bytes).
 
     Order: timed fastest by the tuner for this key first, then untimed ones most likely to fit
     first (:func:`_order`); configs that already failed while tuning this key are only retried
-    with fewer stages.
+    with fewer stages. A tuner whose pruner keeps a single config is noted in ``measured.skipped``:
+    only that config's fewer stages remain.
     """
+    limit, stages_matter = measured.limit, measured.stages_matter
     timings = runtime.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
-    others = [c for c in allowed_configs(launch) if launch.config is None or c != launch.config]
+    allowed = allowed_configs(launch)
+    if launch.tuner is not None and len(allowed) == 1 < len(launch.tuner.configs):
+        measured.pinned = (f"the tuner's pruner {introspect.callable_name(launch.tuner.early_config_prune)} pins "
+                           f"{introspect.config_text(allowed[0])}")
+        measured.skipped.append(f"the other {len(launch.tuner.configs) - 1} configs: {measured.pinned}")
+    others = [c for c in allowed if launch.config is None or c != launch.config]
     timed = sorted((c for c in others if math.isfinite(timings.get(c, math.inf))), key=timings.get)
     untimed = _order([c for c in others if c not in timings], reference, limit)
     failed = [c for c in others if math.isinf(timings.get(c, 0.0))]
@@ -246,8 +266,8 @@ def _candidate_configs(launch: Launch, reference, limit: int, stages_matter: boo
         yield config, config
     if not takes_variants(launch) or not stages_matter:
         return
-    variants = [(variant(config, num_stages=stages), config) for config in (*timed, *untimed, *failed)
-                for stages in range(config.num_stages - 1, 0, -1)]
+    variants = [(option_variant(launch, config, num_stages=stages), config) for config in (*timed, *untimed, *failed)
+                for stages in range(_stage_count(launch, config) - 1, 0, -1)]
     order = {id(candidate): index for index, candidate in enumerate(_order([v for v, _ in variants], reference, limit))}
     yield from sorted(variants, key=lambda pair: order[id(pair[0])])
 
@@ -263,6 +283,23 @@ def variant(config, **options):
     for option, value in options.items():
         setattr(changed, option, value)
     return changed
+
+
+def option_variant(launch: Launch, config, **options):
+    """:func:`variant`, with the parameters that follow ``options`` lowered as :meth:`Launch.compile` does."""
+    changed = variant(config, **options)
+    try:
+        following = knobs.knobs_of(launch.jit).lowered_with(options, config.kwargs)
+    except knobs.OptionIsAParameter:  # compiling it says so
+        following = {}
+    if following:
+        changed.kwargs = {**config.kwargs, **following}
+    return changed
+
+
+def _stage_count(launch: Launch, config) -> int:
+    """The deepest pipeline ``config`` asks for: its option, or a pipeline-depth parameter it sets deeper."""
+    return max(config.num_stages or 0, knobs.knobs_of(launch.jit).depth(config.kwargs))
 
 
 def allowed_configs(launch: Launch) -> list:
@@ -304,7 +341,7 @@ def decide(launch: Launch, failing, error) -> Decision:
     wanted = RACE if racing else 1
     fitted_bases: list = []  # a config that fits needs no fewer-stage variant
     reference = (launch.config if launch.config is not None else _launch_as_config(launch, failing), error.required)
-    candidates = (list(_candidate_configs(launch, reference, error.limit, measured.stages_matter))
+    candidates = (list(_candidate_configs(launch, reference, measured))
                   if len(fitting) < wanted else [])
     raced_batches = 0  # batches compiled only to find more candidates to race, once one fits
     while budget > 0 and len(fitting) < wanted and raced_batches < RACE_BATCHES:
@@ -318,10 +355,10 @@ def decide(launch: Launch, failing, error) -> Decision:
         for (config, base, _), attempt in zip(batch, compiled):
             # The order only predicts: a variant that fits may leave a stage to spare. Climb while its own
             # bytes per stage say the next count of the same config may fit too (more stages: usually faster).
-            while (attempt.fits and config is not base and config.num_stages + 1 < base.num_stages and budget > 0
-                   and _may_take_a_stage_more(attempt, config.num_stages)):
+            while (attempt.fits and config is not base and config.num_stages + 1 < _stage_count(launch, base)
+                   and budget > 0 and _may_take_a_stage_more(attempt, config.num_stages)):
                 budget -= 1
-                more = variant(base, num_stages=config.num_stages + 1)
+                more = option_variant(launch, base, num_stages=config.num_stages + 1)
                 if not _try_configs([(more, with_config(launch, more))], attempts, measured)[0].fits:
                     break
                 config, attempt = more, attempts[-1]
@@ -341,9 +378,7 @@ def decide(launch: Launch, failing, error) -> Decision:
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
                         final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped, compile_ms=compile_ms)
-    reason = _why_nothing_fits(launch, budget)
-    if measured.stages_inert:
-        reason = f"{measured.stages_inert}; {reason}"
+    reason = "; ".join(filter(None, (measured.stages_inert, measured.pinned, _why_nothing_fits(launch, budget))))
     return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped, compile_ms=compile_ms)
 
 
@@ -420,7 +455,8 @@ def _fastest(launch: Launch, fitting: list[Decision]) -> tuple[Decision, dict | 
     tuner.nargs = dict(zip(tuner.arg_names, launch.args))
     try:
         for decision in fitting:
-            config = decision.config if decision.config is not None else variant(launch.config, **decision.options)
+            config = (decision.config if decision.config is not None
+                      else option_variant(launch, launch.config, **decision.options))
             median = tuner._bench(*launch.args, config=config, grid=launch.grid, warmup=False,
                                   **launch.tuner_kwargs)[0]
             timings[decision.final] = median

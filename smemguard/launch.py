@@ -9,23 +9,15 @@ gives a :class:`Launch`. Everything here compiles at most; nothing launches exce
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import introspect, layers, runtime
+from . import introspect, knobs, layers, runtime
 
 #: Exceptions that mean smemguard built a candidate wrongly (a bad argument binding, a missing
 #: attribute), not that the candidate does not compile: counted as ``internal_error``.
 INTERNAL_ERRORS = (TypeError, KeyError, AttributeError, NameError, IndexError)
-
-
-class OptionIsAParameter(Exception):
-    """A launch option that shares its name with a parameter the kernel itself uses."""
 
 
 @dataclass(frozen=True)
@@ -82,25 +74,27 @@ class Launch:
     def compile(self, **options):
         """Compile (never launch) with other launch ``options``.
 
-        Some kernels take a launch option's name as a parameter of their own (Liger-Kernel passes
-        ``num_stages`` and ``num_warps`` positionally); Triton then binds a keyword of that name to
-        the parameter as well as reading it as the option. Changing such an option is allowed only
-        when the kernel leaves the parameter unused or passes it on as that same option
-        (``tl.range(..., num_stages=num_stages)``), so that the result cannot change.
+        A parameter that follows the option (:mod:`smemguard.knobs`: a pipeline depth the kernel
+        gives its loops' ``num_stages=``, a warp count it passes on as ``num_warps=``) is lowered
+        with it, so that the count asked for is the count compiled. Some kernels take a launch
+        option's name as a parameter of their own (Liger-Kernel passes ``num_stages`` and
+        ``num_warps`` positionally); Triton then binds a keyword of that name to the parameter as
+        well as reading it as the option. Changing such an option is allowed only when the kernel
+        leaves the parameter unused or uses it only as that option: :class:`~smemguard.knobs.OptionIsAParameter`
+        otherwise.
 
         The config's pre-hook runs first: a TMA pre-hook sets descriptor block shapes, which are part
         of the compiled signature (and so, under concurrent compiles, bound in turn).
         """
         self.run_config_pre_hook()
+        named = self.named_args()
+        following = self.following(options)
         shared_names = [name for name in options if name in self.jit.arg_names]
-        if not shared_names:
+        if not shared_names and not following:
             return self.jit.run(*self.args, grid=self.grid, warmup=True, **{**self.jit_kwargs, **options})
-        used = [name for name in shared_names if not _parameter_only_steers(self.jit, name)]
-        if used:
-            raise OptionIsAParameter(f"{', '.join(used)} is also a parameter the kernel uses: changing the launch "
-                                     "option would change it too")
+        # Every parameter by name: a constexpr passed positionally cannot also be passed by keyword.
         non_parameters = {k: v for k, v in self.jit_kwargs.items() if k not in self.jit.arg_names}
-        kwargs = {**self.named_args(), **non_parameters, **options}
+        kwargs = {**named, **non_parameters, **options, **following}
         kernel = self.jit.run(grid=self.grid, warmup=True, **kwargs)
         if all(getattr(kernel.metadata, name, value) == value for name, value in options.items()):
             return kernel
@@ -115,6 +109,10 @@ class Launch:
             return self.jit.run(grid=self.grid, warmup=True, **kwargs)
         finally:
             kernel_cache.update(stale)
+
+    def following(self, options: dict) -> dict:
+        """The parameters lowered with launch ``options`` (:meth:`smemguard.knobs.Knobs.lowered_with`)."""
+        return knobs.knobs_of(self.jit).lowered_with(options, self.named_args())
 
     def relaunch(self):
         self.run_config_pre_hook()
@@ -162,20 +160,6 @@ def unknown_layer(launched):
     return launched
 
 
-@functools.lru_cache(maxsize=None)
-def _parameter_only_steers(jit, name: str) -> bool:
-    """Whether the kernel's parameter ``name`` is unused in its body, or only passed on as the
-    keyword of the same name (``num_stages=num_stages``)."""
-    try:
-        function = ast.parse(textwrap.dedent(inspect.getsource(jit.fn))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return False
-    allowed = {id(keyword.value) for node in ast.walk(function) if isinstance(node, ast.Call)
-               for keyword in node.keywords if keyword.arg == name and isinstance(keyword.value, ast.Name)}
-    return not any(isinstance(node, ast.Name) and node.id == name and id(node) not in allowed
-                   for statement in function.body for node in ast.walk(statement))
-
-
 def with_config(launch: Launch, config) -> Launch:
     """``launch`` with ``config`` in force: through the tuner, or by keyword on a plain JIT function."""
     if launch.tuner is not None:
@@ -210,9 +194,10 @@ def check(kernel) -> tuple[bool, int, int]:
     return True, kernel.metadata.shared, runtime.effective_limit(runtime.current_device())
 
 
-def describe(launch: Launch, kernel=None) -> str:
-    """``BLOCK_M=128 BLOCK_N=64 num_warps=4 num_stages=3``: the constexprs and the options in force."""
-    constexprs = launch.named_args()
+def describe(launch: Launch, kernel=None, lowered: dict | None = None) -> str:
+    """``BLOCK_M=128 BLOCK_N=64 num_warps=4 num_stages=3``: the constexprs (with the parameters
+    ``lowered`` with the options) and the options in force."""
+    constexprs = {**launch.named_args(), **(lowered or {})}
     # A parameter named like a launch option (Liger-Kernel's num_stages) is shown as the option it becomes.
     parts = [f"{p.name}={constexprs.get(p.name)}" for p in launch.jit.params
              if p.is_constexpr and isinstance(constexprs.get(p.name), (int, str, bool))
@@ -234,7 +219,7 @@ def try_compile(launch: Launch, label: str, **options) -> tuple[Any, Attempt]:
         kernel = launch.compile(**options)
     except Exception as error:
         return None, _not_compiled(label, error, started)
-    return _checked(launch, kernel, started)
+    return _checked(launch, kernel, started, launch.following(options))
 
 
 def try_compile_all(candidates: list[tuple[Launch, str]]) -> list[tuple[Any, Attempt]]:
@@ -279,9 +264,9 @@ def _not_compiled(label: str, error: Exception, started: float) -> Attempt:
                    internal_error=isinstance(error, INTERNAL_ERRORS), compile_ms=_ms_since(started))
 
 
-def _checked(launch: Launch, kernel, started: float) -> tuple[Any, Attempt]:
+def _checked(launch: Launch, kernel, started: float, lowered: dict | None = None) -> tuple[Any, Attempt]:
     fits, required, limit = check(kernel)
-    return kernel, Attempt(describe(launch, kernel), required, limit, fits, compile_ms=_ms_since(started))
+    return kernel, Attempt(describe(launch, kernel, lowered), required, limit, fits, compile_ms=_ms_since(started))
 
 
 def _ms_since(started: float) -> float:

@@ -4,7 +4,8 @@ Why: when another process (or an earlier run) learned that a compiled variant ov
 GPU and that fewer stages (or warps) fit, compiling the failing variant first is wasted
 seconds and a wasted exception. ``_do_compile`` runs only on a JIT cache miss, with the key
 the variant will be cached under and Triton's parsed options; the wrapper swaps in the
-remembered options (``context.remembered_options``), so the replacement is compiled and
+remembered options (``context.remembered_options``), and lowers the kernel's pipeline-depth
+parameters with them (:mod:`smemguard.knobs`), so the replacement is compiled and
 cached under the original key and every launch of that variant runs it. Launches never pass
 through here once cached.
 
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 
 from .. import runtime
+from ..knobs import lowered_constexprs
 from ..versions import Supported
 from . import Layer, wrapt_layer
 
@@ -44,21 +46,27 @@ def applies(settings) -> bool:
 
 
 def _arguments(key, signature, device, constexprs, options, attrs, warmup):
-    return key, device, options
+    return key, device, constexprs, options
 
 
 def _compile_remembered(wrapped, instance, args, kwargs):
     override = None
     if _remembered_options is not None and not runtime.benchmarking():
         try:
-            key, device, options = _arguments(*args, **kwargs)
+            key, device, constexprs, options = _arguments(*args, **kwargs)
             override = _remembered_options(instance, key, device, options)
             if override:
                 replaced = dataclasses.replace(options, **override)
+                # A pipeline-depth parameter is lowered with the option, as recovery compiled it.
+                lowered = lowered_constexprs(instance, constexprs, override)
                 if "options" in kwargs:
                     kwargs = {**kwargs, "options": replaced}
                 else:
                     args = (*args[:4], replaced, *args[5:])
+                if "constexprs" in kwargs:
+                    kwargs = {**kwargs, "constexprs": lowered}
+                else:
+                    args = (*args[:3], lowered, *args[4:])
         except Exception:  # a lookup problem must never stop a compile
             log.debug("smemguard: remembered options not applied", exc_info=True)
             override = None

@@ -16,6 +16,7 @@ from .._version import __version__
 from .cache import ResultCache
 from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
 from ..estimate import Estimate, estimate, stages_change_bytes
+from ..knobs import PIPELINE_DEPTH, knobs_of
 from .model import (BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
                     Specialization, Variant)
 
@@ -58,6 +59,13 @@ class Item:
         return shared is not None and self.interval is not None and self.interval.holds(shared)
 
 
+def _without_stages(item: Item) -> Variant:
+    """``item``'s config with its stage count and pipeline-depth parameters (smemguard.knobs) left out."""
+    depths = set(knobs_of(item.kernel.jit).with_role(PIPELINE_DEPTH))
+    return replace(item.variant, num_stages=0,
+                   constexprs=tuple((name, 0 if name in depths else value) for name, value in item.variant.constexprs))
+
+
 @dataclass(frozen=True)
 class Progress:
     done: int
@@ -95,10 +103,12 @@ class _Group:
         # Configs that differ only in num_stages, where stages change nothing: once two of one family
         # (the cheapest, at its fewest and most stages) have compiled to the same bytes, each family
         # needs one compile. Any two of a family that differ end the sharing: everything compiles.
+        # Stages change nothing before sm_80, nor in a kernel none of whose loops follows them (smemguard.knobs).
         families: dict[Variant, list[Item]] = {}
         for item in items:
-            if item.request is not None and item.problem is None and not stages_change_bytes(item.arch, item.interval):
-                families.setdefault(replace(item.variant, num_stages=0), []).append(item)
+            if item.request is not None and item.problem is None and (
+                    not stages_change_bytes(item.arch, item.interval) or knobs_of(item.kernel.jit).stages_futile()):
+                families.setdefault(_without_stages(item), []).append(item)
         self.families = {key: members for key, members in families.items() if len(members) > 1}
         self.stages_inert: bool | None = None if self.families else False
         self.proof: list[Item] = []
@@ -351,8 +361,9 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                         if item.result is not None:
                             item.how, cache_hits = CACHED, cache_hits + 1
                         # The calibration launches had unit inner strides, as *x.stride() passes them for
-                        # contiguous tensors; other strides change what can be pipelined.
-                        if not exact and spec.unit_guess in (None, BY_ORDER):
+                        # contiguous tensors; other strides change what can be pipelined. Nor is the stage
+                        # count the option's where the kernel writes its loops' depth itself.
+                        if not exact and spec.unit_guess in (None, BY_ORDER) and not knobs_of(kernel.jit).writes_depth():
                             item.interval = estimate(item.request, spec)
                     items[(k, v, spec.name, arch)] = item
                     group_items.append(item)

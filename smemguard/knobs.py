@@ -1,0 +1,350 @@
+"""What each constexpr parameter of a kernel does to its software pipeline, read from its source.
+
+A kernel may write its pipeline depth itself: ``for k in tl.range(0, n, num_stages=NUM_STAGES)``
+pipelines that loop with ``NUM_STAGES`` stages whatever the launch option says, so lowering the
+option alone changes no byte. :func:`knobs_of` reads the kernel's body and the bodies of the
+``@triton.jit`` functions it calls (resolved through the kernel's globals and closure, as Triton
+resolves them) and gives each parameter one role:
+
+* :data:`PIPELINE_DEPTH`: only ever a loop's ``num_stages=`` (possibly through a called jit
+  function's parameter). Lowering it changes which loads are in flight, not the arithmetic: it
+  is lowered together with the ``num_stages`` launch option (:meth:`Knobs.lowered_with`);
+* :data:`WARP_COUNT`: only passed on as ``num_warps=``; lowered together with ``num_warps``;
+* :data:`UNUSED`: not read at all (Liger-Kernel's ``num_warps`` parameter): changing it changes nothing;
+* :data:`OTHER`: anything else (arithmetic, shapes, masks, branches, stored values, a call smemguard
+  cannot read): never changed.
+
+It also lists the loops whose ``num_stages=`` is a literal or computed in the body: those keep their
+depth whatever recovery does. When no loop follows the option or a pipeline-depth parameter,
+fewer stages cannot lower the bytes (:meth:`Knobs.stages_futile`), and no candidate is compiled to
+find that out. A kernel whose source cannot be read gets no roles and no verdict: recovery then
+measures as it always did.
+
+Read once per JIT function (cached); nothing here runs on the launch path.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import inspect
+import logging
+import textwrap
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = "pipeline depth"
+WARP_COUNT = "warp count"
+UNUSED = "unused"
+OTHER = "other use"
+
+#: The launch option each role follows.
+OPTION_OF = {PIPELINE_DEPTH: "num_stages", WARP_COUNT: "num_warps"}
+
+#: Where ``tl.range(start, end, step, num_stages, ...)`` takes ``num_stages`` positionally.
+_RANGE_STAGES_POSITION = 3
+
+#: Called jit functions followed below a kernel; deeper chains are read as "cannot tell".
+_MAX_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class FixedLoop:
+    """A pipelined loop whose depth neither the launch option nor a pipeline-depth parameter sets."""
+
+    function: str  # the jit function it is in
+    line: int  # its line in that function's file
+    num_stages: str  # as written: "3", "NUM_STAGES - 1", or the argument a caller passed for it
+
+    def text(self) -> str:
+        return f"{self.function} line {self.line}: num_stages={self.num_stages}"
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The roles of a kernel's parameters and what its loops follow."""
+
+    roles: dict = field(default_factory=dict)  # parameter name -> role
+    following_loops: int = 0  # loops pipelined by the launch option or by a pipeline-depth parameter
+    fixed_loops: tuple = ()  # FixedLoop
+    complete: bool = False  # every call and loop of the kernel was read
+
+    def with_role(self, role: str) -> list[str]:
+        return [name for name, found in self.roles.items() if found == role]
+
+    def stages_futile(self) -> str | None:
+        """Why fewer stages cannot lower this kernel's shared memory, or None when they may."""
+        if not self.complete or self.following_loops:
+            return None
+        if not self.fixed_loops:
+            return "the kernel has no loop to pipeline, so stages change no byte"
+        return f"every pipelined loop sets its own num_stages ({self.fixed_text()}), so fewer stages change no byte"
+
+    def writes_depth(self) -> bool:
+        """Whether some loop's depth is not the launch option's: a pipeline-depth parameter or a fixed
+        ``num_stages=`` (then a calibrated estimate, which reads the option, does not apply)."""
+        return bool(self.fixed_loops or self.with_role(PIPELINE_DEPTH))
+
+    def fixed_text(self) -> str:
+        return "; ".join(loop.text() for loop in self.fixed_loops)
+
+    def lowered_with(self, options: dict, named: dict) -> dict:
+        """The parameters that follow the launch ``options`` ({"num_stages": 2}), lowered with them:
+        a pipeline-depth or warp-count parameter to at most the option's new value. A parameter
+        named like the option (the keyword sets both) must not be used otherwise:
+        :class:`OptionIsAParameter` when it is."""
+        lowered = {}
+        for option, value in options.items():
+            # A namesake parameter whose use could not be read counts as used.
+            role_of_namesake = self.roles.get(option, OTHER if option in named else None)
+            if role_of_namesake is not None and role_of_namesake not in (UNUSED, _role_for(option)):
+                raise OptionIsAParameter(f"{option} is also a parameter the kernel uses: changing the launch "
+                                         "option would change it too")
+            for name in self.with_role(_role_for(option)):
+                current = named.get(name)
+                if name != option and _is_count(current) and _is_count(value) and current > value:
+                    lowered[name] = value
+        return lowered
+
+    def depth(self, named: dict) -> int:
+        """The deepest pipeline a pipeline-depth parameter asks for (0 when none does)."""
+        return max((named[name] for name in self.with_role(PIPELINE_DEPTH) if _is_count(named.get(name))), default=0)
+
+
+def lowered_constexprs(jit, constexprs: dict, options: dict) -> dict:
+    """Triton's packed constexprs (``{(parameter index,): value}``, as ``JITFunction._do_compile`` gets
+    them) with the parameters that follow launch ``options`` lowered with them."""
+    names = {(index,): param.name for index, param in enumerate(jit.params)}
+    named = {names[path]: value for path, value in constexprs.items() if path in names}
+    lowered = knobs_of(jit).lowered_with(options, named)
+    return {path: lowered.get(names.get(path), value) for path, value in constexprs.items()}
+
+
+class OptionIsAParameter(Exception):
+    """A launch option that shares its name with a parameter the kernel itself uses."""
+
+
+def _role_for(option: str) -> str | None:
+    return next((role for role, name in OPTION_OF.items() if name == option), None)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@functools.lru_cache(maxsize=1024)
+def knobs_of(jit) -> Knobs:
+    """The :class:`Knobs` of a JIT function; no roles when its source cannot be read."""
+    try:
+        facts = _read(jit, 0)
+    except Exception:  # an unreadable kernel is measured, never guessed about
+        log.debug("smemguard: cannot read the parameters of %s", getattr(jit, "__name__", jit), exc_info=True)
+        return Knobs()
+    if facts is None:
+        return Knobs()
+    roles = {name: _role(facts.uses.get(name, [])) for name in facts.params}
+    following, fixed = 0, []
+    for loop in facts.loops:
+        if loop.kind == _OPTION or (loop.kind == _PARAMETER and roles.get(loop.detail) == PIPELINE_DEPTH):
+            following += 1
+        else:
+            used_otherwise = " (a parameter with other uses, never changed)" if loop.kind == _PARAMETER else ""
+            fixed.append(FixedLoop(loop.function, loop.line, loop.detail + used_otherwise))
+    return Knobs(roles, following, tuple(fixed), facts.complete)
+
+
+# -- Reading one jit function -----------------------------------------------------------------
+
+# Loop kinds: follows the launch option; follows a parameter of the function; fixed.
+_OPTION, _PARAMETER, _FIXED = "option", "parameter", "fixed"
+# Use kinds of a parameter: a loop's num_stages, passed on as num_warps, anything else.
+_DEPTH_USE, _WARP_USE, _OTHER_USE = PIPELINE_DEPTH, WARP_COUNT, OTHER
+
+
+@dataclass(frozen=True)
+class _Loop:
+    kind: str
+    detail: str  # the parameter (_PARAMETER) or the text of num_stages (_FIXED)
+    function: str
+    line: int
+
+
+@dataclass
+class _Facts:
+    params: list
+    uses: dict  # parameter -> [use kinds]
+    loops: list  # _Loop, in terms of this function's parameters
+    complete: bool = True
+
+
+def _role(uses: list) -> str:
+    if not uses:
+        return UNUSED
+    kinds = set(uses)
+    return kinds.pop() if len(kinds) == 1 and kinds <= {_DEPTH_USE, _WARP_USE} else OTHER
+
+
+def _read(jit, depth: int) -> _Facts | None:
+    fn = jit.fn
+    lines, first_line = inspect.getsourcelines(fn)
+    function = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    params = [arg.arg for arg in function.args.args]
+    local_names = {*params, *(node.id for node in ast.walk(function) if isinstance(node, ast.Name)
+                              and isinstance(node.ctx, ast.Store))}
+    reader = _Reader(_Scope(fn, frozenset(local_names)), params, first_line - 1, depth)
+    for statement in function.body:
+        reader.visit(statement)
+    return reader.facts
+
+
+class _Reader(ast.NodeVisitor):
+    """One pass over a function body: every read of a parameter, every loop, every call."""
+
+    def __init__(self, scope: "_Scope", params: list, line_offset: int, depth: int) -> None:
+        self.scope = scope
+        self.name = getattr(scope.function, "__qualname__", "?")
+        self.line_offset = line_offset
+        self.depth = depth
+        self.facts = _Facts(params, {name: [] for name in params}, [])
+        self.handled: set[int] = set()  # ids of Name nodes whose use a call or loop already classified
+
+    def use(self, name: str, kind: str) -> None:
+        self.facts.uses[name].append(kind)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id in self.facts.uses and id(node) not in self.handled:
+            self.use(node.id, _OTHER_USE)  # also a Store: a parameter assigned in the body is not a pure knob
+
+    def visit_FunctionDef(self, node) -> None:
+        self.facts.complete = False  # a nested function: not what Triton compiles, not read here
+        self.generic_visit(node)
+
+    visit_Lambda = visit_FunctionDef
+
+    def visit_For(self, node: ast.For) -> None:
+        if isinstance(node.iter, ast.Call):
+            callee = _resolve(node.iter.func, self.scope)
+            if _is_triton_range(callee):
+                self.facts.loops.append(self.range_loop(node.iter))
+            elif callee is builtins.range:
+                self.facts.loops.append(_Loop(_OPTION, "", self.name, self.line_offset + node.lineno))
+        self.generic_visit(node)
+
+    def range_loop(self, call: ast.Call) -> _Loop:
+        line = self.line_offset + call.lineno
+        stages = next((k.value for k in call.keywords if k.arg == "num_stages"), None)
+        if stages is None and len(call.args) > _RANGE_STAGES_POSITION:
+            stages = call.args[_RANGE_STAGES_POSITION]
+        if stages is None or (isinstance(stages, ast.Constant) and stages.value is None):
+            return _Loop(_OPTION, "", self.name, line)
+        if isinstance(stages, ast.Name) and stages.id in self.facts.uses:
+            self.handled.add(id(stages))
+            self.use(stages.id, _DEPTH_USE)
+            return _Loop(_PARAMETER, stages.id, self.name, line)
+        return _Loop(_FIXED, ast.unparse(stages), self.name, line)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        callee = _resolve(node.func, self.scope)
+        if _is_jit(callee):
+            self.call_jit(node, callee)
+        elif not (_is_triton_range(callee) or _is_library(callee) or _is_method_of_a_value(node.func, self.scope)):
+            self.facts.complete = False  # it may hide a loop; a parameter passed to it is "other use"
+        for keyword in node.keywords:
+            if keyword.arg == "num_warps" and isinstance(keyword.value, ast.Name) \
+                    and keyword.value.id in self.facts.uses and not _is_jit(callee):
+                self.handled.add(id(keyword.value))
+                self.use(keyword.value.id, _WARP_USE)
+        self.generic_visit(node)
+
+    def call_jit(self, node: ast.Call, callee) -> None:
+        """What the callee does with each parameter of ours passed to it, and its loops in our terms."""
+        facts = _read(callee, self.depth + 1) if self.depth < _MAX_DEPTH else None
+        if facts is None:
+            self.facts.complete = False
+            return
+        self.facts.complete &= facts.complete
+        passed: dict[str, ast.expr] = dict(zip(facts.params, node.args))
+        passed.update((k.arg, k.value) for k in node.keywords if k.arg in facts.params)
+        roles = {name: _role(facts.uses.get(name, [])) for name in facts.params}
+        for name, value in passed.items():
+            if isinstance(value, ast.Name) and value.id in self.facts.uses:
+                self.handled.add(id(value))
+                if roles[name] == UNUSED and name in OPTION_OF.values():  # Liger's way: passed on as the option
+                    self.use(value.id, _role_for(name))
+                elif roles[name] != UNUSED:
+                    self.use(value.id, roles[name] if roles[name] in (_DEPTH_USE, _WARP_USE) else _OTHER_USE)
+        defaults = _defaults(callee)
+        for loop in facts.loops:
+            if loop.kind != _PARAMETER:
+                self.facts.loops.append(loop)
+                continue
+            value = passed.get(loop.detail)
+            if isinstance(value, ast.Name) and value.id in self.facts.uses:
+                self.facts.loops.append(_Loop(_PARAMETER, value.id, loop.function, loop.line))
+            else:
+                text = ast.unparse(value) if value is not None else repr(defaults.get(loop.detail))
+                self.facts.loops.append(_Loop(_FIXED, text, loop.function, loop.line))
+
+
+def _defaults(jit) -> dict:
+    return {param.name: param.default for param in getattr(jit, "params", ()) if getattr(param, "has_default", False)}
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """A jit function's Python function and the names its body binds itself (parameters, assignments,
+    loop variables): those shadow globals and builtins (``input.to(...)`` is a tensor's method)."""
+
+    function: object
+    local_names: frozenset
+
+
+def _resolve(node: ast.expr, scope: _Scope):
+    """The object a name or attribute chain in a body stands for, as Triton resolves it (closure,
+    then globals, then builtins); None when it is a local value, not a global object."""
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, scope)
+        return getattr(base, node.attr, None) if base is not None else None
+    if not isinstance(node, ast.Name) or node.id in scope.local_names:
+        return None
+    fn = scope.function
+    closure = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in (fn.__closure__ or ()))))
+    if node.id in closure:
+        return closure[node.id]
+    if node.id in fn.__globals__:
+        return fn.__globals__[node.id]
+    return getattr(builtins, node.id, None)
+
+
+def _is_jit(obj) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(obj, JITFunction)
+
+
+def _is_triton_range(obj) -> bool:
+    import triton.language as tl
+
+    return obj is tl.range
+
+
+def _is_library(obj) -> bool:
+    """Triton's own language functions, ``constexpr_function``s (run while compiling) and Python's
+    builtins: they hold no pipelined loop."""
+    if obj is None:
+        return False
+    modules = (getattr(obj, "__module__", None) or "", type(obj).__module__)
+    return "builtins" in modules or any(module == "triton" or module.startswith("triton.") for module in modules)
+
+
+def _is_method_of_a_value(func: ast.expr, scope: _Scope) -> bool:
+    """``acc.to(tl.float16)``: a method of a value computed in the body (a tensor), not of a global."""
+    if not isinstance(func, ast.Attribute):
+        return False
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    return not isinstance(func, ast.Name) or _resolve(func, scope) is None
