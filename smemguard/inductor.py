@@ -8,10 +8,11 @@ takes over at that point, with the configs Inductor had compiled: for each, a va
 compiles itself (``_precompile_config``) and loads (``make_launcher``), so its caches, its static
 launcher and its autotuning treat it as one of its own. In order:
 
-1. fewer stages: the ``num_stages`` option and the ``NUM_STAGES`` kwarg through which Inductor's templates
-   and mix-order reductions set their loops' depth (``tl.range(..., num_stages=NUM_STAGES)``; torch 2.13's
-   own retry lowers both too), each capped at the new depth: same tiles, same order of arithmetic, bitwise
-   the same result;
+1. fewer stages: the ``num_stages`` option and the kwargs through which Inductor's templates and
+   mix-order reductions set their loops' depth (``tl.range(..., num_stages=NUM_STAGES)``, read as pipeline
+   depth by :mod:`smemguard.knobs`; torch 2.13's own retry lowers ``NUM_STAGES`` too), each capped at the new
+   depth: same tiles, same order of arithmetic, bitwise the same result. None when the kernel has no loop
+   that follows them;
    fewer ``num_warps`` when it is threads that do not fit;
 2. for pointwise and reduction kernels, whose launch grid Inductor computes from the config's blocks
    (``XBLOCK``, ``YBLOCK``; ``R0_BLOCK`` where the reduction loops), half the largest block, down to 1. A
@@ -32,7 +33,7 @@ import logging
 import re
 import time
 
-from . import incidents, introspect, runtime
+from . import incidents, introspect, knobs, runtime
 from .decision import OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .launch import Attempt
 
@@ -99,17 +100,24 @@ def _variant(config, kwargs: dict | None = None, **options):
 DEPTH = "NUM_STAGES"
 
 
-def _depth(config) -> int:
-    """How deep ``config`` pipelines: the ``num_stages`` option, or the ``NUM_STAGES`` kwarg where deeper."""
-    kwarg = config.kwargs.get(DEPTH)
-    return max(config.num_stages, kwarg) if isinstance(kwarg, int) and not isinstance(kwarg, bool) else config.num_stages
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _fewer_stages(config, stages: int):
-    """``config`` pipelined at most ``stages`` deep: the option and the ``NUM_STAGES`` kwarg, each capped."""
-    kwarg = config.kwargs.get(DEPTH)
-    depth = {DEPTH: min(kwarg, stages)} if isinstance(kwarg, int) and not isinstance(kwarg, bool) else None
-    return _variant(config, depth, num_stages=min(config.num_stages, stages))
+def depth_parameters(autotuner, config) -> list[str]:
+    """The kwargs of ``config`` that set a loop's pipeline depth: those :mod:`smemguard.knobs` reads as
+    pipeline depth in the kernel's source; where it cannot read the source completely, Inductor's own
+    ``NUM_STAGES``, as Inductor's retry treats it. A kwarg used any other way is never lowered."""
+    found = knobs.knobs_of(autotuner.fn)
+    if found.complete:
+        return [name for name in found.with_role(knobs.PIPELINE_DEPTH) if _is_count(config.kwargs.get(name))]
+    return [DEPTH] if _is_count(config.kwargs.get(DEPTH)) and found.roles.get(DEPTH) != knobs.OTHER else []
+
+
+def _fewer_stages(config, stages: int, depth: list[str]):
+    """``config`` pipelined at most ``stages`` deep: the option and each depth kwarg, capped."""
+    return _variant(config, {name: min(config.kwargs[name], stages) for name in depth},
+                    num_stages=min(config.num_stages, stages))
 
 
 def _candidates(autotuner, config, overflow: Overflow):
@@ -120,8 +128,11 @@ def _candidates(autotuner, config, overflow: Overflow):
             yield WARPS_REDUCED, _variant(config, num_warps=warps)
             warps //= 2
         return
-    for stages in range(_depth(config) - 1, 0, -1):
-        yield STAGES_REDUCED, _fewer_stages(config, stages)
+    depth = depth_parameters(autotuner, config)
+    futile = knobs.knobs_of(autotuner.fn).stages_futile()
+    deepest = max([config.num_stages, *(config.kwargs[name] for name in depth)])
+    for stages in range(deepest - 1, 0, -1) if futile is None else ():
+        yield STAGES_REDUCED, _fewer_stages(config, stages, depth)
     blocks = _GRID_FOLLOWS_BLOCKS.get(getattr(autotuner.heuristic_type, "name", ""), ())
     current = {name: config.kwargs[name] for name in blocks if isinstance(config.kwargs.get(name), int)}
     while current and max(current.values()) > 1:

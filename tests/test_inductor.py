@@ -196,3 +196,16 @@ def test_the_one_stage_bound_is_the_measured_backward_and_under_the_measured_for
     assert flex.one_stage_bytes("forward", FlexConfig(128, 64, 2, 8), 128, torch.bfloat16) <= 98304
     assert flex.one_stage_bytes("forward", FlexConfig(32, 32, 1, 4), 192, torch.float32) == \
         flex.one_stage_bytes("forward", FlexConfig(32, 32, 1, 4), 256, torch.float32), "head dims pad to 2^n"
+
+
+def test_a_kernel_without_a_loop_to_pipeline_compiles_no_stage_candidate(install_guard, incident_log, monkeypatch,
+                                                                        triton_cache):
+    """The transpose has no loop: fewer stages cannot change a byte (smemguard.knobs reads it), so the first
+    candidate is already a smaller block, even at a stage count above one."""
+    kernel = pointwise_transpose("L4", 256, 256)
+    kernel.configs[0].num_stages = 3
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", max_shared=40000, cache_dir=triton_cache):
+        kernel.precompile()
+    [record] = records(incident_log)
+    assert [a.get("changes") for a in record["attempts"][1:]][0] == "XBLOCK=128", "no num_stages candidate"
