@@ -257,7 +257,9 @@ def uninstall() -> None:
 
 
 def is_installed() -> bool:
-    """True when every Triton launch in this process is guarded now."""
+    """True when every Triton launch in this process is guarded now. After ``install()`` before ``import
+    triton`` nothing is guarded yet (``install()`` returned True: it will be, once Triton is imported), and
+    after a failed ``import triton`` nothing is: False in both, by design."""
     with _lock:
         if _active is None:
             return False
