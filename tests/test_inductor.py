@@ -67,11 +67,12 @@ def test_a_pointwise_kernel_gets_smaller_blocks_its_grid_follows(install_guard, 
     with inductor_gpu(monkeypatch, "L4", max_shared=40000, cache_dir=triton_cache):
         kernel.precompile()
     [result] = kernel.compile_results
-    assert result.config.kwargs == {"XBLOCK": 64, "YBLOCK": 128} and result.kernel.metadata.shared == 32768
+    assert result.config.kwargs == {"XBLOCK": 64, "YBLOCK": 128} and result.kernel.metadata.shared <= 40000
     [record] = records(incident_log)
     assert record["action"] == "blocks_reduced" and record["final"].startswith("XBLOCK=64 YBLOCK=128")
-    assert [(a.get("changes"), a["required"]) for a in record["attempts"]] == [
-        (None, 65536), ("XBLOCK=128", 65536), ("XBLOCK=128 YBLOCK=128", 65536), ("XBLOCK=64 YBLOCK=128", 32768)], \
+    # Triton 3.9: 65536 B three times, then 32768 (3.4 pads the last to 33280).
+    assert [(a.get("changes"), a["fits"]) for a in record["attempts"]] == [
+        (None, False), ("XBLOCK=128", False), ("XBLOCK=128 YBLOCK=128", False), ("XBLOCK=64 YBLOCK=128", True)], \
         "the largest block halved each time, one block at a time"
 
 
