@@ -82,9 +82,9 @@ def _gpus(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import demo
+    from . import cli_demo
 
-    return demo.run(args.gpu, args.settings)
+    return cli_demo.run(args.gpu, args.settings)
 
 
 def _report(args) -> int:
