@@ -100,18 +100,14 @@ def _variant(config, kwargs: dict | None = None, **options):
 DEPTH = "NUM_STAGES"
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def depth_parameters(autotuner, config) -> list[str]:
     """The kwargs of ``config`` that set a loop's pipeline depth: those :mod:`smemguard.knobs` reads as
     pipeline depth in the kernel's source; where it cannot read the source completely, Inductor's own
     ``NUM_STAGES``, as Inductor's retry treats it. A kwarg used any other way is never lowered."""
     found = knobs.knobs_of(autotuner.fn)
     if found.complete:
-        return [name for name in found.with_role(knobs.PIPELINE_DEPTH) if _is_count(config.kwargs.get(name))]
-    return [DEPTH] if _is_count(config.kwargs.get(DEPTH)) and found.roles.get(DEPTH) != knobs.OTHER else []
+        return [name for name in found.with_role(knobs.PIPELINE_DEPTH) if knobs.is_count(config.kwargs.get(name))]
+    return [DEPTH] if knobs.is_count(config.kwargs.get(DEPTH)) and found.roles.get(DEPTH) != knobs.OTHER else []
 
 
 def _fewer_stages(config, stages: int, depth: list[str]):

@@ -104,13 +104,13 @@ class Knobs:
                                          "option would change it too")
             for name in self.with_role(_role_for(option)):
                 current = named.get(name)
-                if name != option and _is_count(current) and _is_count(value) and current > value:
+                if name != option and is_count(current) and is_count(value) and current > value:
                     lowered[name] = value
         return lowered
 
     def depth(self, named: dict) -> int:
         """The deepest pipeline a pipeline-depth parameter asks for (0 when none does)."""
-        return max((named[name] for name in self.with_role(PIPELINE_DEPTH) if _is_count(named.get(name))), default=0)
+        return max((named[name] for name in self.with_role(PIPELINE_DEPTH) if is_count(named.get(name))), default=0)
 
 
 def lowered_constexprs(jit, constexprs: dict, options: dict) -> dict:
@@ -130,7 +130,8 @@ def _role_for(option: str) -> str | None:
     return next((role for role, name in OPTION_OF.items() if name == option), None)
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
+    """A stage or warp count: a positive int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
