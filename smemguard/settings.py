@@ -190,8 +190,17 @@ def _parse_cache_dir(value: str | None, environ: Mapping[str, str], problems: li
     return path
 
 
-def _parse_disable(value: str | None) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(name.strip() for name in (value or "").split(",") if name.strip()))
+#: More names than there are patches is a malformed value, not a list to check name by name.
+MAX_DISABLED = 64
+
+
+def _parse_disable(value: str | None, problems: list[str]) -> tuple[str, ...]:
+    given = [name.strip()[:100] for name in (value or "").split(",", MAX_DISABLED) if name.strip()]
+    if len(given) >= MAX_DISABLED:
+        problems.append(_problem(DISABLE, (value or "")[:80] + "...", f"more than {MAX_DISABLED - 1} names",
+                                 "patch module names, comma-separated"))
+        return ()
+    return tuple(dict.fromkeys(given))
 
 
 def _unknown(names, known, what: str) -> list[str]:
@@ -223,9 +232,10 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     log_path = _parse_log(environ.get(LOG), problems)
     cache_dir = _parse_cache_dir(environ.get(CACHE_DIR), environ, problems)
     metrics_file = _parse_metrics_file(environ.get(METRICS_FILE), problems)
+    disabled = _parse_disable(environ.get(DISABLE), problems)
     problems.extend(_unknown_variables(environ))
     return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file,
-                    disabled=_parse_disable(environ.get(DISABLE)))
+                    disabled=disabled)
 
 
 @functools.lru_cache(maxsize=1)

@@ -178,6 +178,8 @@ def test_uninstall_takes_the_replacement_kernels_out_of_tritons_jit_cache(triton
 
 
 def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog):
+    import triton  # noqa: F401  (installed now, not at a later import)
+
     from smemguard import settings as settings_module
 
     settings = settings_module.load({"SMEMGUARD_DISABLE": " autotuner_bench,max_shared_mem ,", "SMEMGUARD_MAX_SHARED": "L4"})

@@ -108,3 +108,16 @@ def test_every_gpu_name_and_alias_resolves_to_itself():
     assert gpus.lookup("AMD Instinct MI300X").name == "MI300X"
     assert gpus.lookup("NVIDIA H100 80GB HBM3") is None or gpus.lookup("NVIDIA H100 80GB HBM3").name == "H100"
     assert gpus.lookup("L40X") is None
+
+
+def test_smemguard_disable_is_bounded():
+    import time
+
+    from smemguard import guard, settings as settings_module
+
+    started = time.perf_counter()
+    huge = settings_module.load({"SMEMGUARD_DISABLE": "kernel_warmup," * 100_000})
+    assert huge.disabled == () and len(huge.problems) == 1 and len(huge.problems[0]) < 400
+    long_name = settings_module.load({"SMEMGUARD_DISABLE": "x" * 1_000_000})
+    [line] = guard.settings_problems(long_name)
+    assert len(line) < 1000 and time.perf_counter() - started < 5
