@@ -9,7 +9,12 @@ kinds, because they are applied at two different moments:
   process that meets the variant compiles the replacement instead, so the failing variant
   is never compiled (Triton >= 3.5, through ``JITFunction._do_compile``);
 * ``launch``: a different autotuner config, the fallback, or "nothing fits", additionally
-  keyed by the autotuner key. Applied at the first failing launch, without trying candidates.
+  keyed by the autotuner key. Applied at the first failing launch, without trying candidates;
+* ``inductor``: the variant (fewer stages, warps or blocks) that replaces one config of a
+  torch.compile kernel, keyed by Inductor's kernel name, its source hash, Triton version, GPU,
+  limit and the config. Applied when Inductor loads the kernel: the variant is compiled and
+  loaded directly (:func:`smemguard.inductor.load_remembered`). Files written before this table
+  existed have none: they read as an empty one.
 
 The file is JSON (never pickle), read again whenever it changed on disk, and written
 atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.files`), so
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import files, incidents, introspect, runtime, untrusted
-from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .launch import jit_keys_of
 from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
@@ -42,7 +47,9 @@ log = logging.getLogger(__name__)
 SCHEMA = 1
 FILE_NAME = "decisions.json"
 LOCK_NAME = "decisions.lock"
-KINDS = ("compile", "launch")
+KINDS = ("compile", "launch", "inductor")
+#: Tables added after schema 1 was first written: absent from older files, read as empty.
+_ADDED_KINDS = ("inductor",)
 #: A decision file is a few KiB per kernel; one larger than this is not one smemguard wrote.
 MAX_FILE = 8 * 2**20
 #: Bounds of the options an entry may hold: no GPU pipelines more stages, none runs more than
@@ -57,7 +64,7 @@ def case_id(fields: dict) -> str:
 
 
 def empty() -> dict:
-    return {"schema": SCHEMA, "compile": {}, "launch": {}}
+    return {"schema": SCHEMA, **{kind: {} for kind in KINDS}}
 
 
 def validate(data: Any) -> dict:
@@ -66,6 +73,8 @@ def validate(data: Any) -> dict:
         raise ValueError(f"not a JSON object but {shown(data, 40)}")
     if data.get("schema") != SCHEMA:
         raise ValueError(f"schema {shown(data.get('schema'), 40)}, expected {SCHEMA}")
+    for kind in _ADDED_KINDS:
+        data.setdefault(kind, {})
     for kind in KINDS:
         if not isinstance(data.get(kind), dict):
             raise ValueError(f"no {kind!r} table")
@@ -75,7 +84,8 @@ def validate(data: Any) -> dict:
 #: The actions recovery stores in each table (recovery.py's names): option-only changes of one
 #: compiled variant; another config, the fallback, or "nothing fits" for a launch.
 ACTIONS = {"compile": (STAGES_REDUCED, WARPS_REDUCED),
-           "launch": (CONFIG_CHANGED, FALLBACK, RERAISED)}
+           "launch": (CONFIG_CHANGED, FALLBACK, RERAISED),
+           "inductor": (STAGES_REDUCED, WARPS_REDUCED, BLOCKS_REDUCED)}
 
 
 def power_of_two(value: Any, most: int) -> bool:
@@ -107,8 +117,9 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     found = untrusted.problems(entry, {"action": one_of(*ACTIONS[kind])})
     if found:
         return found
-    found = untrusted.problems(entry, _NEEDS[entry["action"]])
-    if not found and "config" in _NEEDS[entry["action"]]:
+    needs = {"config": OBJECT, "resource": TEXT} if kind == "inductor" else _NEEDS[entry["action"]]
+    found = untrusted.problems(entry, needs)
+    if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
     return found
 
@@ -227,17 +238,26 @@ class Store:
         """Untrusted when another user can write the directory or the file."""
         files.check_trusted(self.directory, self.path)
 
+    def _current(self) -> dict:
+        """The table as stored now (caller holds ``_lock``): read again only if the file changed."""
+        if not self._broken:
+            try:
+                if self._changed():
+                    self._checked()
+                    with self._exclusive():
+                        self._refresh()
+            except OSError as error:
+                self._io_failed(error)
+        return self._data
+
     def get(self, kind: str, key: str) -> dict | None:
         with self._lock:
-            if not self._broken:
-                try:
-                    if self._changed():
-                        self._checked()
-                        with self._exclusive():
-                            self._refresh()
-                except OSError as error:
-                    self._io_failed(error)
-            return self._data[kind].get(key)
+            return self._current()[kind].get(key)
+
+    def holds(self, kind: str) -> bool:
+        """Whether table ``kind`` has any entry: one stat when nothing changed, so a healthy process asks freely."""
+        with self._lock:
+            return bool(self._current()[kind])
 
     def put(self, kind: str, key: str, entry: dict) -> dict:
         """Store ``entry`` unless another process stored this case first; return the one that stands."""
@@ -310,13 +330,18 @@ def store(directory: Path | None) -> Store | None:
 # enforced limit, JIT key (``compile``), and the tuning key too (``launch``).
 
 
-def compile_case(jit, jit_key: str, device: int) -> dict:
+def device_fields(device: int) -> dict:
+    """The part of every case that says where it was decided: Triton version, GPU model, arch, enforced limit."""
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
+    return {"triton": runtime.triton_version(), "gpu": runtime.gpu_name(device) or f"{target.backend}:{target.arch}",
+            "arch": target.arch, "limit": runtime.effective_limit(device)}
+
+
+def compile_case(jit, jit_key: str, device: int) -> dict:
     return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit),
-            "triton": runtime.triton_version(), "gpu": runtime.gpu_name(device) or f"{target.backend}:{target.arch}",
-            "arch": target.arch, "limit": runtime.effective_limit(device), "jit_key": jit_key}
+            **device_fields(device), "jit_key": jit_key}
 
 
 def cases_for(launch, failing) -> dict | None:
@@ -329,10 +354,15 @@ def cases_for(launch, failing) -> dict | None:
     return {"compile": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
 
 
+def provenance() -> dict:
+    """Where and when an entry was stored (for people reading the file; never part of a key)."""
+    return {"time": time.time(), "host": incidents.host(), "pid": os.getpid()}
+
+
 def entry_of(decision, case: dict) -> tuple[str, dict]:
     """(the table, the entry) that stores ``decision`` for ``case``."""
-    entry: dict[str, Any] = {"action": decision.action, "final": decision.final, "time": time.time(),
-                             "host": incidents.host(), "pid": os.getpid(), "from_config": decision.attempts[0].config}
+    entry: dict[str, Any] = {"action": decision.action, "final": decision.final, **provenance(),
+                             "from_config": decision.attempts[0].config}
     if decision.options is not None:
         entry["options"] = decision.options
     else:

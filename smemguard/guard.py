@@ -39,7 +39,8 @@ def _wanted(module, settings: Settings) -> bool:
 def _context(settings: Settings):
     from .patches import PatchContext
 
-    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup, _on_inductor_overflow)
+    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup, _on_inductor_overflow,
+                        _on_inductor_load)
 
 
 def _patch_library(module, reason: str) -> None:
@@ -122,6 +123,21 @@ def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
                             "kernel; Inductor's own error is raised (smemguard's bug: please report it)",
                             exc_info=True)
         return None
+
+
+def _on_inductor_load(autotuner) -> None:
+    """Replace the compile results of ``autotuner`` that the decision cache holds a fitting variant of. Never raises."""
+    from . import inductor
+
+    settings = _active
+    if settings is None:
+        return
+    try:
+        inductor.load_remembered(autotuner, settings)
+    except Exception:
+        runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while applying a stored decision to "
+                          "a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: please report it)",
+                          exc_info=True)
 
 
 def _on_out_of_resources(kernel, grid, args, kwargs, error):

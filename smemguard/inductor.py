@@ -23,23 +23,28 @@ launcher and its autotuning treat it as one of its own. In order:
 Templates (FlexAttention, matmul) render their tiles into the source: only their stages change here.
 A config that fits is never touched: recovery starts only when Inductor found none. Every candidate is
 a real compile; nothing is launched. One incident record per kernel (``phase: "compile"``).
+
+Each replacement is stored in the decision cache (table ``inductor``, keyed by Inductor's kernel name,
+source hash, Triton version, GPU, limit and the config). The next process that loads the same kernel
+(compiled again, or from Inductor's FX graph cache) compiles and loads the stored variant in place of
+the config before Inductor loads it (:func:`load_remembered`): no load fails, no other candidate is
+compiled. A stored variant is applied only if recovery could have produced it from that config here.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import re
 import time
 
-from . import incidents, introspect, knobs, runtime
-from .decision import OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from . import decisions, incidents, introspect, knobs, runtime
+from .decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .launch import Attempt
 
 log = logging.getLogger(__name__)
-
-BLOCKS_REDUCED = "blocks_reduced"
 
 #: Candidate compiles allowed for one kernel (as for a launch: compiles take seconds).
 MAX_CANDIDATES = 16
@@ -145,8 +150,9 @@ class _Trial:
         self.attempts: list[Attempt] = []
         self.compile_ms = 0.0
 
-    def load(self, candidate):
-        """(compile result, its launcher) when ``candidate`` compiles and loads here, else None."""
+    def load(self, candidate, with_launcher: bool = True):
+        """(compile result, its launcher) when ``candidate`` compiles and loads here, else None; with
+        ``with_launcher=False`` only compiled and measured (Inductor loads it), the launcher None."""
         started = time.perf_counter()
         text = introspect.config_text(candidate)
         try:
@@ -158,6 +164,9 @@ class _Trial:
         if shared is not None and shared > self.limit:  # known too big: loading it would only raise
             self._note(Attempt(text, shared, self.limit, False), started)
             return None
+        if not with_launcher:
+            self._note(Attempt(text, shared, self.limit, True), started)
+            return result, None
         try:
             launcher = result.make_launcher()
         except Exception as error:
@@ -175,6 +184,68 @@ class _Trial:
         self.attempts.append(dataclasses.replace(attempt, compile_ms=elapsed))
 
 
+def _device(autotuner) -> int:
+    return autotuner.triton_meta.get("device", 0) or 0
+
+
+def _case(autotuner, config, device: int) -> dict:
+    """What identifies one config of one Inductor kernel on this GPU to other processes."""
+    return {"kernel": kernel_name(autotuner), "source_hash": introspect.source_hash(autotuner.fn),
+            **decisions.device_fields(device), "config": introspect.config_fields(config)}
+
+
+def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
+    device = _device(autotuner)
+    for config, action, candidate in replaced:
+        case = _case(autotuner, config, device)
+        store.put("inductor", decisions.case_id(case), {
+            **case, "action": action, "resource": overflow.resource, "required": overflow.required,
+            "config": introspect.config_fields(candidate), "from_config": introspect.config_text(config),
+            "final": introspect.config_text(candidate), **decisions.provenance()})
+
+
+def _stored_variant(autotuner, config, entry: dict):
+    """The candidate of ``config`` that ``entry`` names, if recovery could have produced it here; else None."""
+    overflow = Overflow(entry["resource"], entry.get("required", 0), 0)
+    for action, candidate in itertools.islice(_candidates(autotuner, config, overflow), MAX_CANDIDATES):
+        if action == entry["action"] and introspect.config_fields(candidate) == entry["config"]:
+            return candidate
+    return None
+
+
+def load_remembered(autotuner, settings) -> None:
+    """Before Inductor loads ``autotuner``'s compile results: each one whose config has a stored variant
+    is replaced by that variant, compiled through Inductor; Inductor then loads it as its own. Nothing
+    is done in observe mode, without a decision cache, or when the cache holds no torch.compile entry
+    (one stat of the file: the cost of a healthy kernel load)."""
+    store = decisions.store(settings.cache_dir)
+    if settings.observe_only or store is None or autotuner.launchers or not store.holds("inductor"):
+        return
+    from torch._dynamo.device_interface import DeviceGuard
+
+    started, device = time.perf_counter(), _device(autotuner)
+    trial, replaced, overflow = _Trial(autotuner, runtime.effective_limit(device)), [], None
+    with DeviceGuard(autotuner.get_device_interface(), device):
+        for index, result in enumerate(list(autotuner.compile_results)):
+            key = decisions.case_id(_case(autotuner, result.config, device))
+            entry = store.get("inductor", key)
+            candidate = entry and _stored_variant(autotuner, result.config, entry)
+            if entry is not None and candidate is None:
+                runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
+                                  "variant recovery could produce from %s here)", key, introspect.config_text(result.config))
+            if candidate is None:
+                continue
+            found = trial.load(candidate, with_launcher=False)
+            if found is not None:
+                autotuner.compile_results[index] = found[0]
+                replaced.append((result.config, entry["action"], candidate))
+                overflow = overflow or Overflow(entry["resource"], entry.get("required", 0), trial.limit)
+    if replaced:
+        _record(autotuner, overflow, [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False)
+                                      for config, _, _ in replaced],
+                trial, [(action, candidate) for _, action, candidate in replaced], started, settings, remembered=True)
+
+
 def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     """Load a fitting variant of each of ``configs`` (what Inductor compiled for ``autotuner``) after
     ``error`` said none fits: True when at least one loads (``autotuner`` then holds their compile results
@@ -183,11 +254,11 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
 
     started = time.perf_counter()
     overflow = overflow_of(error)
-    device = autotuner.triton_meta.get("device", 0) or 0
+    device = _device(autotuner)
     limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
     trial = _Trial(autotuner, limit)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
-    loaded, chosen = [], []
+    loaded, replaced = [], []
     if not settings.observe_only:
         with DeviceGuard(autotuner.get_device_interface(), device):
             for config in configs:
@@ -197,21 +268,25 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
                     found = trial.load(candidate)
                     if found is not None:
                         loaded.append(found)
-                        chosen.append((action, candidate))
+                        replaced.append((config, action, candidate))
                         break
     if loaded:
         autotuner.compile_results = [result for result, _ in loaded]
         autotuner.launchers = [launcher for _, launcher in loaded]
-    _record(autotuner, overflow, failing, trial, chosen, started, settings)
+        store = decisions.store(settings.cache_dir)
+        if store is not None:
+            _remember(autotuner, overflow, replaced, store)
+    _record(autotuner, overflow, failing, trial, [(action, candidate) for _, action, candidate in replaced], started,
+            settings)
     return bool(loaded)
 
 
 def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
-            settings) -> None:
+            settings, remembered: bool = False) -> None:
     action = chosen[0][0] if chosen else (OBSERVED if settings.observe_only else RERAISED)
     final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
     name = kernel_name(autotuner)
-    device = autotuner.triton_meta.get("device", 0) or 0
+    device = _device(autotuner)
     record = {
         **incidents.new_record(name),
         "launched_as": "CachingAutotuner",
@@ -221,6 +296,7 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
         **incidents.overflow_fields(device, overflow.resource, overflow.required, overflow.limit),
         "config": failing[0].config if failing else None,
         "action": action,
+        "remembered": remembered,
         "final": final,
         "reason": None if chosen else _why_not(autotuner, settings),
         "attempts": incidents.attempt_records([*failing[:1], *trial.attempts]),
@@ -229,7 +305,7 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
         "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
         "internal_errors": 0,
     }
-    verdict = f"loads {final}" if chosen else record["reason"]
+    verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else record["reason"]
     incidents.emit(record, settings.log_path, ("inductor", name, device, record["config"]),
                    "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
                    overflow.resource, overflow.required, overflow.limit, record["config"], verdict,

@@ -105,6 +105,70 @@ def test_an_emulated_limit_reaches_inductors_load(install_guard, monkeypatch, tr
         kernel.precompile()
 
 
+def _recover_then_forget_the_process(install_guard, monkeypatch, triton_cache, cache_dir):
+    """Recover a template in this process, then leave only what the next process would have: the decision file."""
+    from smemguard import decisions
+
+    install_guard(cache_dir=cache_dir)
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        template_matmul("L4", num_stages=5).precompile()
+    decisions._stores.clear()
+
+
+def test_the_next_process_loads_the_stored_variant_without_a_failing_load(install_guard, incident_log, monkeypatch,
+                                                                          triton_cache, tmp_path):
+    _recover_then_forget_the_process(install_guard, monkeypatch, triton_cache, tmp_path / "cache")
+    kernel = template_matmul("L4", num_stages=5)  # the same kernel, compiled again (or from Inductor's caches)
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    [result] = kernel.compile_results
+    assert (result.config.num_stages, result.kernel.metadata.shared) == (4, 98304)
+    first, again = records(incident_log)  # a load that failed would have added a third, not remembered
+    assert first["remembered"] is False and first["compiles"] == 1
+    assert again["remembered"] is True and again["action"] == "stages_reduced" and again["compiles"] == 1
+    assert [(a.get("changes"), a["fits"]) for a in again["attempts"]] == [(None, False), ("num_stages=4", True)]
+
+
+def test_a_stored_variant_recovery_could_not_produce_is_ignored(install_guard, incident_log, monkeypatch,
+                                                                triton_cache, tmp_path, caplog):
+    """A hand-edited or foreign entry (more stages than the config it replaces) is ignored with one warning; the
+    kernel recovers as if nothing were stored."""
+    import json
+
+    cache = tmp_path / "cache"
+    _recover_then_forget_the_process(install_guard, monkeypatch, triton_cache, cache)
+    stored = json.loads((cache / "decisions.json").read_text())
+    [entry] = stored["inductor"].values()
+    entry["config"]["num_stages"] = 6
+    (cache / "decisions.json").write_text(json.dumps(stored))
+    kernel = template_matmul("L4", num_stages=5)
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    assert kernel.compile_results[0].config.num_stages == 4
+    assert [record["remembered"] for record in records(incident_log)] == [False, False]
+    assert "ignoring stored decision" in caplog.text
+
+
+def test_an_emulated_limit_gets_torch_compile_caches_of_its_own(tmp_path):
+    """Inductor's FX graph cache keys by the device's name: a graph compiled on the full GPU must not be served to
+    a run emulating a smaller one (nor the other way round). The user's own tag stays in front of ours."""
+    import json
+
+    from conftest import run_python
+
+    code = """
+        import json, smemguard, torch
+        from torch._dynamo.utils import counters
+        smemguard.install()
+        torch.compile(lambda x: x.sin() + 1)(torch.ones(8))
+        print(json.dumps([counters["inductor"]["fxgraph_cache_hit"], torch.compiler.config.cache_key_tag]))
+    """
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCH_COMPILE_CACHE_KEY_TAG": "mine"}
+    runs = [json.loads(run_python(code, env={**env, **extra}).stdout.splitlines()[-1])
+            for extra in ({}, {"SMEMGUARD_MAX_SHARED": "L4"}, {})]
+    assert runs == [[0, "mine"], [0, "mine,smemguard-max-shared=101376"], [1, "mine"]]
+
+
 @pytest.mark.parametrize("text, expected", [
     ("No valid triton configs. OutOfResources: out of resource: shared memory, Required: 131072, "
      "Hardware limit: 101376. Reducing block sizes or `num_stages` may help.", ("shared memory", 131072, 101376)),

@@ -61,6 +61,7 @@ MODULES = (
     "inductor_static_launcher",
     "inductor_launchers",
     "inductor_flex_configs",
+    "inductor_cache_key",
 )
 
 
@@ -78,6 +79,9 @@ class PatchContext:
     #: (Inductor's CachingAutotuner, the error its load raised, the configs it had compiled) -> True when
     #: variants that fit were loaded in their place, False when none fits, None when smemguard has no answer
     on_inductor_overflow: Callable[..., Any]
+    #: (Inductor's CachingAutotuner, before it loads its compile results) -> None; replaces those the decision
+    #: cache holds a fitting variant of (so none fails to load); never raises
+    on_inductor_load: Callable[..., Any]
 
 
 def modules() -> tuple[ModuleType, ...]:

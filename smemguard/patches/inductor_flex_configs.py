@@ -22,8 +22,8 @@ within FlexAttention's own tolerances, not bitwise the same (the softmax adds in
 warning and one incident record (``action: "tiles_reduced"``, ``phase: "compile"``) per (pass, head dim,
 dtype, device, limit).
 
-Inductor's FX graph cache keys a compiled graph by the device's name, not by an emulated limit: under
-``SMEMGUARD_MAX_SHARED``, give the run its own ``TORCHINDUCTOR_CACHE_DIR``.
+Inductor's FX graph cache keys a compiled graph by the device's name, not by a limit: under
+``SMEMGUARD_MAX_SHARED`` the ``inductor_cache_key`` patch gives the emulated GPU keys of its own.
 
 Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
 ``(block_m, block_n, num_stages, num_warps)`` and ``FlexBwDConfig(block_m1, block_n1, block_m2, block_n2,
@@ -39,6 +39,7 @@ import sys
 import threading
 
 from .. import incidents, runtime
+from ..decision import TILES_REDUCED
 from ..internal import Steps
 from ..versions import Supported
 from . import Layer, wrapt_layer
@@ -116,7 +117,7 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
     kernel = f"flex_attention_{kind}"
     record = {**incidents.new_record(kernel), "launched_as": "torch.compile", "phase": "compile",
               **incidents.overflow_fields(device, "shared memory", bound, limit),
-              "head_dim": head_dim, "dtype": str(dtype), "config": str(config), "action": "tiles_reduced",
+              "head_dim": head_dim, "dtype": str(dtype), "config": str(config), "action": TILES_REDUCED,
               "final": str(replacement), "reason": f"at least {bound} B at one stage of its tiles",
               "attempts": [], "compiles": 0, "internal_errors": 0}
     incidents.emit(record, _log_path, ("flex", kind, head_dim, str(dtype), device, limit),

@@ -10,7 +10,9 @@ drops those that do not fit, and raises ``RuntimeError("No valid triton configs.
 left, which torch.compile turns into an ``InductorError``: the model does not run at all (an RTX 4090,
 L4 or A10G given FlexAttention's A100 configs; pytorch #133254, #180278, #175250).
 
-What: when ``_make_launchers`` raises for a resource that does not fit (shared memory, threads), the
+What: before Inductor loads, a config the decision cache holds a fitting variant of (decided by an
+earlier process) is replaced by that variant, compiled through Inductor (``context.on_inductor_load``,
+:func:`smemguard.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises for a resource that does not fit (shared memory, threads), the
 engine (``context.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
 variants of the configs Inductor had compiled (smaller blocks for pointwise and reduction kernels),
 through Inductor's own ``_precompile_config`` and ``make_launcher``, and leaves the ones that load as
@@ -39,6 +41,7 @@ OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
 
 _LAYER = Layer(TARGET_MODULES[0], "CachingAutotuner._make_launchers")
 _on_overflow = None  # (autotuner, error, configs) -> True: recovered; False: nothing fits; None: no answer
+_on_load = None  # (autotuner) -> None: stored variants replace the configs they were decided for
 _recovering = False  # not in observe mode, where Inductor's own retry stays Inductor's
 _OWN_RETRY = "dynamic_disable_pipelining"
 _ABSENT = object()
@@ -50,6 +53,8 @@ def applies(settings) -> bool:
 
 def _load_or_recover(wrapped, instance, args, kwargs):
     configs = [result.config for result in instance.compile_results or ()]
+    if _recovering and _on_load is not None and configs:
+        _on_load(instance)
     meta = instance.inductor_meta
     # torch 2.13's own retry (the last config at one stage) would answer first, with fewer stages than fit.
     before = meta.get(_OWN_RETRY, _ABSENT)
@@ -75,15 +80,16 @@ def _load_or_recover(wrapped, instance, args, kwargs):
 
 
 def patch(context) -> None:
-    global _on_overflow, _recovering
-    _on_overflow, _recovering = context.on_inductor_overflow, not context.settings.observe_only
+    global _on_overflow, _on_load, _recovering
+    _on_overflow, _on_load = context.on_inductor_overflow, context.on_inductor_load
+    _recovering = not context.settings.observe_only
     _LAYER.add(wrapt_layer(_load_or_recover))
 
 
 def unpatch() -> None:
-    global _on_overflow, _recovering
+    global _on_overflow, _on_load, _recovering
     _LAYER.remove()
-    _on_overflow, _recovering = None, False
+    _on_overflow, _on_load, _recovering = None, None, False
 
 
 def is_patched() -> bool:
