@@ -107,8 +107,9 @@ def test_gemlite_gemm_on_a_t4_gets_its_own_error_back_when_stages_cannot_help(
     assert gemlite.load_config(str(tmp_path / "tuned.json"))
     layer = GemLiteLinearTriton(W_nbits=4, group_size=group, in_features=k, out_features=n, input_dtype=DType.FP16,
                                 output_dtype=DType.FP16)
-    layer.pack(torch.randint(0, 15, (n, k), dtype=torch.uint8), scales=torch.ones(n * k // group, 1, dtype=torch.float16),
-               zeros=torch.full((n * k // group, 1), 7, dtype=torch.float16), bias=None)
+    groups = n * k // group
+    layer.pack(torch.randint(0, 15, (n, k), dtype=torch.uint8), scales=torch.ones(groups, 1, dtype=torch.float16),
+               zeros=torch.full((groups, 1), 7, dtype=torch.float16), bias=None)
     install_guard()
     with fake_gpu("T4", cache_dir=triton_cache), pytest.raises(OutOfResources):
         layer.forward_manual(torch.randn(m, k, dtype=torch.float16), "GEMM")
