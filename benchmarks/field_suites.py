@@ -1,6 +1,6 @@
 """Other projects' released test suites on a GPU under emulated small-GPU limits, three ways.
 
-Runs chosen test files of FlagGems 5.0.2, fla-core and Liger-Kernel 0.8.5 with pytest, and
+Runs chosen test files of FlagGems 5.0.2, fla-core, Liger-Kernel 0.8.5 and GemLite 0.6.0.post2 with pytest, and
 compares, per suite and limit (``SMEMGUARD_MAX_SHARED``):
 
 - ``plain``: no smemguard and no emulation: which tests pass at all on this GPU. The limit is
@@ -32,7 +32,7 @@ a suite too slow for one device call is compared across two (``--modes observe,o
 The third-party test sources and wheels are not ours and are never committed: they live in
 git-ignored folders (``.field/``, ``.whl/``); ``benchmarks/field_suites.md`` says how to fill
 them and gives the commands of the recorded runs. Usage (on the GPU machine, with FlagGems,
-fla-core and Liger-Kernel importable)::
+fla-core, Liger-Kernel and gemlite importable)::
 
     python benchmarks/field_suites.py --smemguard . --limits T4,L4 --modes plain,observe,on \\
         --out results/ --workers 4 --jobs 4
@@ -87,8 +87,9 @@ class Suite:
     source: str = ""  # where the test files came from
 
 
-# Chosen for a whole matrix (3 suites, plain once, observe and on per limit) of about 7 minutes on an
-# H200 with --workers 4 --jobs 4; first compiles and autotuning dominate (benchmarks/field_suites.md).
+# Chosen for a whole matrix (plain once, observe and on per limit) of about 7 minutes on an H200 with
+# --workers 4 --jobs 4 for the first three suites (GemLite's time not yet measured); first compiles and
+# autotuning dominate (benchmarks/field_suites.md).
 SUITES = {suite.name: suite for suite in (
     # FlagGems tunes every shape afresh over its whole config list: 30 to 50 s a new fp16/bf16 shape,
     # 110 to 160 s a float32 one, on a cold Triton cache. Float32 at 495x5333x71 (an emulated T4's
@@ -112,6 +113,14 @@ SUITES = {suite.name: suite for suite in (
           "fused_neighborhood_attention", "mhc", "multi_token_attention", "rms_norm", "layer_norm",
           "fused_add_rms_norm", "group_norm", "poly_norm")),
           select="not dtensor and not row_offset", source="liger-kernel 0.8.5 sdist (test/)"),
+    # GemLite's own kernel tests (unittest classes; each test runs one layer type through every matmul
+    # kind at 8 batch sizes, set_autotune(False): the pruner sizes its default configs for the GPU it
+    # sees, an H200 under emulation). Left out: test_serialization.py, whose tests all write one file,
+    # /tmp/_test_serial.pt, and would race between workers and runs. Both modules set GemLite up at import
+    # (tensors on cuda:0): one that fails to import must not keep the other from running.
+    Suite("gemlite", "gemlite", ("tests/test_int.py", "tests/test_mxfp.py"),
+          options=("--continue-on-collection-errors",),
+          source="dropbox/gemlite tests of the commit in .field/gemlite/COMMIT, against the gemlite 0.6.0.post2 sdist"),
 )}
 
 SITECUSTOMIZE = '''\
@@ -188,8 +197,8 @@ def pytest_runtest_makereport(item, call):
 ENVIRONMENT_PROBE = '''\
 import json, importlib.metadata as metadata
 packages = {}
-for name in ("torch", "triton", "flag-gems", "fla-core", "liger-kernel", "pytest", "pytest-xdist", "pytest-timeout",
-             "transformers"):
+for name in ("torch", "triton", "flag-gems", "fla-core", "liger-kernel", "gemlite", "pytest", "pytest-xdist",
+             "pytest-timeout", "transformers"):
     try:
         packages[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -555,9 +564,9 @@ def _selection(text: str) -> tuple[str, str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Run FlagGems', fla-core's and Liger-Kernel's own tests on the GPU under emulated small-GPU "
-                    "limits: plain (no smemguard, no emulation), SMEMGUARD=observe and SMEMGUARD=on.",
-        epilog="Test sources go under --field (flaggems/, fla/, liger/), each a copy of the project's files "
+        description="Run FlagGems', fla-core's, Liger-Kernel's and GemLite's own tests on the GPU under emulated "
+                    "small-GPU limits: plain (no smemguard, no emulation), SMEMGUARD=observe and SMEMGUARD=on.",
+        epilog="Test sources go under --field (flaggems/, fla/, liger/, gemlite/), each a copy of the project's files "
                "(see benchmarks/field_suites.md). Example: python benchmarks/field_suites.py --smemguard "
                ".field/smemguard-base --limits T4,L4 --workers 4 --jobs 4 --out /tmp/field")
     parser.add_argument("--smemguard", type=Path, default=REPO,

@@ -55,8 +55,11 @@ def source_hash(jit) -> str:
 
 
 def callable_name(fn) -> str:
-    """``module:qualname`` of a fallback or hook."""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    """``module:qualname`` of a fallback, hook or pruner; a lambda's with its line, since ``<lambda>``
+    alone does not say which one (GemLite's pruners are lambdas: ``...gemm_kernels:<lambda> line 277``)."""
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    code = getattr(fn, "__code__", None)
+    return f"{name} line {code.co_firstlineno}" if code is not None and code.co_name == "<lambda>" else name
 
 
 def config_fields(config) -> dict:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from smemguard import knobs
+from smemguard import introspect, knobs
 from smemguard.knobs import OTHER, PIPELINE_DEPTH, UNUSED, WARP_COUNT, knobs_of
 from smemguard.testing import fake_gpu
 
@@ -142,6 +142,16 @@ def test_when_the_pinned_config_cannot_fit_the_re_raise_names_the_pinning(instal
     (record,) = records(incident_log)
     assert record["action"] == "reraised" and record["attempts"][1]["changes"] == "NUM_STAGES=1 num_stages=1"
     assert "the tuner's pruner test_knobs:pin_the_first pins BLOCK_M=128" in record["reason"]
+
+
+pin_as_gemlite_does = lambda configs, named_args, **kwargs: pin_the_first(configs, named_args)  # noqa: E731
+
+
+def test_a_pruner_written_as_a_lambda_is_named_by_its_line():
+    """GemLite's pruners are lambdas: ``<lambda>`` alone would not say which one pins."""
+    line = pin_as_gemlite_does.__code__.co_firstlineno
+    assert introspect.callable_name(pin_as_gemlite_does) == f"test_knobs:<lambda> line {line}"
+    assert introspect.callable_name(pin_the_first) == "test_knobs:pin_the_first"
 
 
 def test_other_configs_are_tried_with_fewer_stages_through_their_depth_parameter(install_guard, incident_log,
