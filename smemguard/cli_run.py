@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from . import untrusted
 
@@ -64,7 +65,7 @@ def add_run_command(commands) -> argparse.ArgumentParser:
     return parser
 
 
-def environment(environ: dict[str, str]) -> dict[str, str]:
+def environment(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with :data:`BOOTSTRAP` first on ``PYTHONPATH`` (once: ``smemguard run`` may run itself)."""
     entries = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     kept = [entry for entry in entries if os.path.realpath(entry) != str(BOOTSTRAP)]
@@ -83,9 +84,8 @@ def main(argv: list[str]) -> int:
         return 2
     from . import settings
 
-    environ = dict(os.environ)
-    if settings.load(environ).enabled:  # off: install nothing, not even the sitecustomize
-        environ = environment(environ)
+    # Passed on as it is, but for PYTHONPATH; off: install nothing, not even the sitecustomize.
+    environ = environment(os.environ) if settings.load().enabled else os.environ
     sys.stdout.flush()
     sys.stderr.flush()
     try:
