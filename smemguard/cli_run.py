@@ -44,8 +44,9 @@ Fork children need nothing: they inherit the guard from their parent.
 
 EPILOG = """\
 examples:
-  smemguard run -- python train.py --config liger.yaml
-      a training script (Liger-Kernel, fla, torch.compile), its dataloader and compile workers
+  smemguard run -- python train.py --use_liger_kernel --torch_compile
+      a Hugging Face Trainer script with Liger-Kernel and torch.compile: the script, its dataloader
+      workers and torch.compile's compile workers
   SMEMGUARD_LOG=/var/log/smemguard/incidents.jsonl smemguard run -- python -m sglang.launch_server \\
       --model-path Qwen/Qwen3-8B --port 30000
       an SGLang server and its scheduler and TP workers, incident records to one file
