@@ -170,6 +170,20 @@ def test_an_existing_pythonpath_and_sitecustomize_are_kept(tmp_path):
     assert out == f"ran user folder {user / 'sitecustomize.py'} True\n", "the user's sitecustomize ran, after ours"
 
 
+def test_a_failing_user_sitecustomize_is_reported_by_python_as_without_smemguard(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    script(user, "raise RuntimeError('the user sitecustomize is broken')\n", "sitecustomize.py")
+    program = script(tmp_path, "import triton, smemguard\nprint(smemguard.is_installed())\n")
+    # -E: `smemguard run` is a Python program too, where the user's sitecustomize would run (and fail) first.
+    process = smemguard_run(sys.executable, program, env={"PYTHONPATH": str(user)}, cli_ignores_pythonpath=True,
+                            **PIPES)
+    status, out, err = finished(process)
+    assert (status, out) == (0, "True\n"), "the program runs, guarded"
+    assert err.splitlines() == ["Error in sitecustomize; set PYTHONVERBOSE for traceback:",
+                                "RuntimeError: the user sitecustomize is broken"], "Python's own report, unchanged"
+
+
 @pytest.mark.parametrize("flags, guarded", [
     (["-m", "mymodule"], "True"),  # python -m, with PYTHONSAFEPATH: PYTHONPATH still counts
     (["-I", "mymodule.py"], "False"),  # isolated mode ignores PYTHONPATH: not reached (the README says so)
