@@ -16,8 +16,9 @@ from ._version import __version__
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
-more shared memory per block than the GPU has. Run vLLM with VLLM_PLUGINS=smemguard, or call
-smemguard.install() in your own program. These commands help you see what it does.
+more shared memory per block than the GPU has. Run vLLM with VLLM_PLUGINS=smemguard, call
+smemguard.install() in your own program, or start any program with 'smemguard run -- CMD'. The
+other commands help you see what it does.
 """
 
 EPILOG = """\
@@ -31,6 +32,7 @@ examples:
   smemguard report --format prometheus rank*.jsonl   the same as the series smemguard exports to /metrics
   smemguard replay incidents.jsonl --index 3   rebuild record 3's launch and run it again
   smemguard cache show           the decisions this host remembers
+  smemguard run -- python train.py   guard a program and every Python process it starts, no code change
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>.
@@ -357,8 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache.set_defaults(run=_cache)
 
     from .cli_check import add_check_command
+    from .cli_run import add_run_command
 
     add_check_command(commands)
+    add_run_command(commands)
     return parser
 
 
@@ -376,6 +380,14 @@ def _report_settings(settings) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        # Not through argparse: CMD's own options must stay CMD's, and argparse's handling of "--" before
+        # a REMAINDER differs between Python versions. Nor are the settings reported here: each process
+        # of CMD reports them as it installs, and a bad one must not stop CMD.
+        from . import cli_run
+
+        return cli_run.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
