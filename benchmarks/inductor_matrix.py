@@ -169,7 +169,7 @@ def _incidents(path: Path, keep: Path) -> dict:
 
 def run_case(case: Case, scratch: Path, out: Path, compile_threads: int, timeout: float) -> dict:
     case_dir = scratch / case.id
-    case_dir.mkdir(parents=True)
+    case_dir.mkdir(parents=True, exist_ok=True)  # inductor_remembered.py puts caches there first
     result_path = case_dir / "result.json"
     command = [sys.executable, str(WORKER), json.dumps(case.spec), str(result_path)]
     started = time.perf_counter()

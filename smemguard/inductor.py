@@ -184,6 +184,19 @@ class _Trial:
         self.attempts.append(dataclasses.replace(attempt, compile_ms=elapsed))
 
 
+def _with_live_function(autotuner) -> None:
+    """A kernel compiled in one of Inductor's compile workers, or loaded from its FX graph cache, has lost its
+    function (``prepare_for_pickle``: no source globals, no hash lock) and cannot be compiled again or read;
+    Inductor reloads it (``_reload_kernel``) before it compiles in the parent itself, and so does recovery."""
+    if getattr(autotuner.fn, "fn", True) is not None:
+        return
+    ensure = getattr(autotuner, "_ensure_kernel_loaded", None)  # torch 2.13; earlier ones reload inline
+    if callable(ensure):
+        ensure()
+    elif callable(getattr(autotuner, "_reload_kernel", None)):
+        autotuner.fn = autotuner._reload_kernel().fn
+
+
 def _device(autotuner) -> int:
     return autotuner.triton_meta.get("device", 0) or 0
 
@@ -229,6 +242,8 @@ def load_remembered(autotuner, settings) -> None:
         for index, result in enumerate(list(autotuner.compile_results)):
             key = decisions.case_id(_case(autotuner, result.config, device))
             entry = store.get("inductor", key)
+            if entry is not None:
+                _with_live_function(autotuner)
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
                 runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
@@ -255,6 +270,8 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     started = time.perf_counter()
     overflow = overflow_of(error)
     device = _device(autotuner)
+    if not settings.observe_only:
+        _with_live_function(autotuner)
     limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
     trial = _Trial(autotuner, limit)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]

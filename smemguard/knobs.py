@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
 import inspect
 import logging
 import textwrap
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,26 @@ def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-@functools.lru_cache(maxsize=1024)
+#: Knobs read so far, by the identity of the JIT function (kept alive with them, as a cache by key would):
+#: hashing a ``JITFunction`` computes its cache key, which fails on one Inductor unpickled from its FX graph
+#: cache (its hash lock is gone).
+_read_so_far: dict[int, tuple[Any, Knobs]] = {}
+_READ_SO_FAR_MAX = 1024
+
+
 def knobs_of(jit) -> Knobs:
-    """The :class:`Knobs` of a JIT function; no roles when its source cannot be read."""
+    """The :class:`Knobs` of a JIT function; no roles when its source cannot be read. Read once per function."""
+    known = _read_so_far.get(id(jit))
+    if known is not None and known[0] is jit:
+        return known[1]
+    found = _knobs_of(jit)
+    if len(_read_so_far) >= _READ_SO_FAR_MAX:
+        _read_so_far.pop(next(iter(_read_so_far)), None)
+    _read_so_far[id(jit)] = (jit, found)
+    return found
+
+
+def _knobs_of(jit) -> Knobs:
     try:
         facts = _read(jit, 0)
     except Exception:  # an unreadable kernel is measured, never guessed about

@@ -83,15 +83,16 @@ def triton_tem_fused_mm_0(arg_A, arg_B, out_ptr0):
     tl.store(out_ptr0 + rm[:, None] * N + rn[None, :], acc.to(tl.float16))
 
 
-def template_matmul(gpu: str, num_stages: int = 4, num_warps: int = 4):
-    """A 128x128x64 fp16 matmul template at ``num_stages`` (131072 B at 3 stages on sm_89)."""
+def template_matmul(gpu: str, num_stages: int = 4, num_warps: int = 4, jit=triton_tem_fused_mm_0):
+    """A 128x128x64 fp16 matmul template at ``num_stages`` (131072 B at 3 stages on sm_89); ``jit`` a copy of
+    the kernel's JIT function for a test that changes it."""
     return triton_heuristics.template(
         num_stages=num_stages, num_warps=num_warps,
         triton_meta={"signature": {"arg_A": "*fp16", "arg_B": "*fp16", "out_ptr0": "*fp16"}, "device": properties(gpu),
                      "constants": {}, "configs": [_aligned(3)]},
         inductor_meta={**_INDUCTOR_META, "kernel_name": "triton_tem_fused_mm_0", "grid_type": "FixedGrid",
                        "fixed_grid": ["_grid_0", "_grid_1", "_grid_2"], "extra_launcher_args": ["_grid_0", "_grid_1", "_grid_2"]},
-    )(triton_tem_fused_mm_0)
+    )(jit)
 
 
 @triton.jit

@@ -76,6 +76,31 @@ def test_a_pointwise_kernel_gets_smaller_blocks_its_grid_follows(install_guard, 
         "the largest block halved each time, one block at a time"
 
 
+def test_a_kernel_from_a_compile_worker_or_the_fx_graph_cache_recovers_too(install_guard, incident_log, monkeypatch,
+                                                                           triton_cache):
+    """Inductor compiles in workers and loads graphs from its FX graph cache as pickled autotuners
+    (``prepare_for_pickle``: no function, no hash lock); the parent loads them with a ``_reload_kernel`` to call
+    before compiling anything itself. Measured on the H200: a cached graph's overflow was not recovered."""
+    import triton
+
+    from inductor_kernels import triton_tem_fused_mm_0
+
+    def own_copy():  # as Inductor reloads the kernel's module: a JIT function of its own
+        return template_matmul("L4", num_stages=5, jit=triton.jit(triton_tem_fused_mm_0.fn))
+
+    kernel = own_copy()
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile(warm_cache_only=True)  # compiled, not loaded: what a worker or the cache hands over
+    kernel.prepare_for_pickle()
+    kernel._reload_kernel = own_copy
+    install_guard()
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    assert [r.config.num_stages for r in kernel.compile_results] == [4]
+    [record] = records(incident_log)
+    assert record["action"] == "stages_reduced" and record["internal_errors"] == 0
+
+
 def test_a_kernel_that_fits_is_not_touched(install_guard, incident_log, monkeypatch, triton_cache):
     kernel = template_matmul("L4", num_stages=4)
     install_guard()
@@ -246,6 +271,25 @@ def test_flex_tiles_on_a_t4_limit_and_without_smemguard(install_guard, capabilit
     # The A100 table's fp32 head dim 128: (128, 32), at least 81920 B at one stage.
     assert (untouched.block_m, untouched.block_n) == (128, 32), "without smemguard, Inductor's own table"
     assert (forward.block_m, forward.block_n, forward.num_stages) == (64, 16, untouched.num_stages)
+
+
+@pytest.mark.parametrize("kind, config, head_dim, dtype, expected", [
+    ("backward", (64, 64, 64, 64, 2, 4), 128, "bfloat16", (32, 32, 32, 32)),
+    ("backward", (32, 32, 32, 32, 2, 4), 256, "float16", (16, 16, 16, 16)),
+    ("forward", (32, 32, 3, 4), 256, "float32", (16, 16)),
+])
+def test_a_bound_equal_to_the_limit_is_halved(kind, config, head_dim, dtype, expected):
+    """H200 under a T4's 65536 B (session 7): these configs, whose one-stage bound is exactly 65536 B, failed to
+    load at one stage (the backward D=128 needed 98816 B at two)."""
+    import torch
+    from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
+
+    from smemguard.patches import inductor_flex_configs as flex
+
+    made = (FlexBwDConfig if kind == "backward" else FlexConfig)(*config)
+    assert flex.one_stage_bytes(kind, made, head_dim, getattr(torch, dtype)) == 65536
+    fitting = flex.fitting(kind, made, head_dim, getattr(torch, dtype), 65536)
+    assert tuple(getattr(fitting, block) for block in flex._BLOCKS[kind]) == expected
 
 
 def test_the_one_stage_bound_is_the_measured_backward_and_under_the_measured_forward():

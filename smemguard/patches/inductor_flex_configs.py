@@ -13,7 +13,7 @@ tiles holds in shared memory: the query and one key/value tile for the forward, 
 elements, and the four tiles of the backward, ``(BLOCK_M1 + BLOCK_N1 + BLOCK_M2 + BLOCK_N2) x D``, with D the
 head dimension rounded up to a power of two as Inductor pads it. (Measured on the H200, Triton 3.6: backward
 D=256 bf16 at (64, 64, 64, 64) is exactly that, 131072 B, at one stage; the forward needs more than its bound.)
-A config whose bound is over the limit cannot fit at any stage count: it is replaced, before rendering, by
+A config whose bound reaches the limit cannot fit at any stage count: it is replaced, before rendering, by
 the same config with every block halved together (keeping the backward's ``BLOCK_N1 % BLOCK_M1`` and
 ``BLOCK_M2 % BLOCK_N2``), down to 16, the largest whose bound fits; its stages and warps stay, and the load
 patch lowers the stages if they still do not fit. A config that may fit is never touched, so a GPU where
@@ -85,8 +85,11 @@ def _halved(kind: str, config):
 
 def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     """``config``, or the largest halving of its blocks whose one stage can fit ``limit``; None when even
-    the smallest blocks cannot."""
-    while one_stage_bytes(kind, config, head_dim, dtype) > limit:
+    the smallest blocks cannot. A bound equal to the limit cannot fit: the kernel needs the bound and more
+    (the backward at exactly it), and Inductor's static launcher refuses ``shared >= limit`` (measured on the
+    H200 under a T4's 65536 B: the D=128 backward's (64, 64, 64, 64) and D=256 fp32 forward's (32, 32), bound
+    65536, failed at one stage)."""
+    while one_stage_bytes(kind, config, head_dim, dtype) >= limit:
         if min(getattr(config, block) for block in _BLOCKS[kind]) // 2 < SMALLEST_BLOCK:
             return None
         config = _halved(kind, config)
