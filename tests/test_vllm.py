@@ -136,3 +136,43 @@ def test_the_api_server_shows_smemguard_at_metrics_with_prometheus_multiproc_dir
     assert info.labels["version"] == smemguard.__version__ and info.labels["triton"] == triton.__version__
     assert "vllm:" in body, "vLLM's own series are there too"
     assert list(directory.glob("gauge_livemax_*.db")), "written by the processes into PROMETHEUS_MULTIPROC_DIR"
+
+
+#: A user's own sitecustomize, which smemguard's (of ``smemguard run``) chains to: each process that imports Triton
+#: says whether its launches are guarded then (this hook runs after smemguard's, registered first).
+TRITON_IMPORT_PROBE = """\
+import os, wrapt
+
+def _probe(module):
+    import smemguard
+    with open(os.environ["PROBE_FILE"], "a") as out:
+        out.write("%d %s\\n" % (os.getpid(), smemguard.is_installed()))
+
+wrapt.register_post_import_hook(_probe, "triton")
+"""
+
+
+def test_smemguard_run_guards_every_vllm_process_without_the_plugin(tmp_path):
+    """No plugin (VLLM_PLUGINS empty), spawned processes: the front end, the engine core and the worker are guarded."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "sitecustomize.py").write_text(TRITON_IMPORT_PROBE)
+    program = tmp_path / "generate.py"
+    program.write_text(f"""if __name__ == "__main__":
+    import os
+    from vllm import LLM, SamplingParams
+    llm = LLM(model={tiny_llama(tmp_path / "model")!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
+              enforce_eager=True, dtype="float32", max_num_seqs=2, gpu_memory_utilization=0.3)
+    out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9]}}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    print("front end", os.getpid(), "tokens", len(out[0].outputs[0].token_ids))
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMEMGUARD", "VLLM", "PYTHON"))}
+    env.update(VLLM_PLUGINS="", VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path / "probe")]), PROBE_FILE=str(tmp_path / "probe.txt"))
+    done = subprocess.run([sys.executable, "-m", "smemguard.cli", "run", "--", sys.executable, str(program)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [front_end] = [line.split()[2] for line in done.stdout.splitlines() if line.endswith("tokens 4")]
+    guarded = dict(line.split() for line in (tmp_path / "probe.txt").read_text().splitlines())
+    assert set(guarded.values()) == {"True"}, guarded
+    assert front_end in guarded and len(guarded) >= 3, "the front end, the engine core and its worker imported Triton"
+    assert f"smemguard {smemguard.__version__} guarding Triton" not in done.stderr, "no plugin loaded: the guard is run's"
