@@ -277,17 +277,18 @@ def test_flex_tiles_on_a_t4_limit_and_without_smemguard(install_guard, capabilit
     ("backward", (64, 64, 64, 64, 2, 4), 128, "bfloat16", (32, 32, 32, 32)),
     ("backward", (32, 32, 32, 32, 2, 4), 256, "float16", (16, 16, 16, 16)),
     ("forward", (32, 32, 3, 4), 256, "float32", (16, 16)),
+    ("forward", (64, 16, 3, 4), 256, "float32", (32, 16)),  # a block at the smallest stays; the others halve
 ])
 def test_a_bound_equal_to_the_limit_is_halved(kind, config, head_dim, dtype, expected):
-    """H200 under a T4's 65536 B (session 7): these configs, whose one-stage bound is exactly 65536 B, failed to
-    load at one stage (the backward D=128 needed 98816 B at two)."""
+    """H200 under a T4's 65536 B (session 7): these configs, whose one-stage bound is 65536 B or more (81920 for
+    the A100 table's D=256 fp32 forward, whose BLOCK_N is already the smallest), failed to load at one stage."""
     import torch
     from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
 
     from smemguard.patches import inductor_flex_configs as flex
 
     made = (FlexBwDConfig if kind == "backward" else FlexConfig)(*config)
-    assert flex.one_stage_bytes(kind, made, head_dim, getattr(torch, dtype)) == 65536
+    assert flex.one_stage_bytes(kind, made, head_dim, getattr(torch, dtype)) >= 65536
     fitting = flex.fitting(kind, made, head_dim, getattr(torch, dtype), 65536)
     assert tuple(getattr(fitting, block) for block in flex._BLOCKS[kind]) == expected
 

@@ -14,8 +14,8 @@ elements, and the four tiles of the backward, ``(BLOCK_M1 + BLOCK_N1 + BLOCK_M2 
 head dimension rounded up to a power of two as Inductor pads it. (Measured on the H200, Triton 3.6: backward
 D=256 bf16 at (64, 64, 64, 64) is exactly that, 131072 B, at one stage; the forward needs more than its bound.)
 A config whose bound reaches the limit cannot fit at any stage count: it is replaced, before rendering, by
-the same config with every block halved together (keeping the backward's ``BLOCK_N1 % BLOCK_M1`` and
-``BLOCK_M2 % BLOCK_N2``), down to 16, the largest whose bound fits; its stages and warps stay, and the load
+the same config with every block above 16 halved together (powers of two: the backward's ``BLOCK_N1 %
+BLOCK_M1`` and ``BLOCK_M2 % BLOCK_N2`` still hold), the largest whose bound fits; its stages and warps stay, and the load
 patch lowers the stages if they still do not fit. A config that may fit is never touched, so a GPU where
 Inductor's table fits compiles exactly what it compiled before. Smaller FlexAttention blocks give results
 within FlexAttention's own tolerances, not bitwise the same (the softmax adds in another order). One
@@ -80,7 +80,9 @@ def one_stage_bytes(kind: str, config, head_dim: int, dtype) -> int:
 
 
 def _halved(kind: str, config):
-    return dataclasses.replace(config, **{block: getattr(config, block) // 2 for block in _BLOCKS[kind]})
+    """Every block above the smallest halved (powers of two: the backward's divisibilities still hold)."""
+    return dataclasses.replace(config, **{block: getattr(config, block) // 2 for block in _BLOCKS[kind]
+                                          if getattr(config, block) > SMALLEST_BLOCK})
 
 
 def fitting(kind: str, config, head_dim: int, dtype, limit: int):
@@ -90,7 +92,7 @@ def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     H200 under a T4's 65536 B: the D=128 backward's (64, 64, 64, 64) and D=256 fp32 forward's (32, 32), bound
     65536, failed at one stage)."""
     while one_stage_bytes(kind, config, head_dim, dtype) >= limit:
-        if min(getattr(config, block) for block in _BLOCKS[kind]) // 2 < SMALLEST_BLOCK:
+        if max(getattr(config, block) for block in _BLOCKS[kind]) <= SMALLEST_BLOCK:
             return None
         config = _halved(kind, config)
     return config
