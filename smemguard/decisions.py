@@ -1,7 +1,7 @@
 """Decisions persisted in ``SMEMGUARD_CACHE_DIR/decisions.json``, shared by every process on the host:
 the file, its schema, and the encoding of a decision as an entry (:mod:`smemguard.recall` applies them).
 
-A decision says what replaces a failing launch on one GPU model at one limit. There are two
+A decision says what replaces a failing launch on one arch at one limit. There are two
 kinds, because they are applied at two different moments:
 
 * ``compile``: option-only changes (``num_stages``, ``num_warps``) of one compiled variant,

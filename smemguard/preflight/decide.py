@@ -74,7 +74,8 @@ def decide(report: Report, triton_cache: Path | None = None) -> Decisions:
             for k, v, spec in overflowing:
                 kernel, variant = report.kernels[k], report.kernels[k].variants[v]
                 try:
-                    table, key, entry = _decide_one(kernel, variant, spec, gpu)
+                    measured = report.verdict(k, v, spec.name, gpu.name).shared
+                    table, key, entry = _decide_one(kernel, variant, spec, gpu, measured)
                 except NotDecided as why:
                     found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: {why}")
                     continue
@@ -87,8 +88,9 @@ def decide(report: Report, triton_cache: Path | None = None) -> Decisions:
     return found
 
 
-def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, gpu: gpus.Gpu):
-    """(table, key, entry) of the decision recovery takes for ``variant`` launched in ``spec`` on ``gpu``."""
+def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, gpu: gpus.Gpu, measured: int | None):
+    """(table, key, entry) of the decision recovery takes for ``variant`` launched in ``spec`` on ``gpu``
+    (where the check compiled it to ``measured`` bytes; None when it estimated them)."""
     request = build_request(kernel, variant, spec, gpu.target_arch)
     args = [_stand_in(request.signature[p.name], request.constants.get(p.name), p.name in request.divisible)
             for p in kernel.jit.params if not p.is_constexpr]
@@ -100,6 +102,9 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
     if launch is None:
         raise NotDecided(f"recovery does not retry a launch through {type(kernel.launched).__qualname__}")
     failing = launch.compile()
+    if measured is not None and failing.metadata.shared != measured:  # the stand-ins specialized otherwise
+        raise NotDecided(f"the stand-in launch compiled {failing.metadata.shared} B where the check measured "
+                         f"{measured} B; not decided (please report it)")
     error = overflow(failing)
     if error is None:
         raise NotDecided(f"fits when launched ({failing.metadata.shared} B): nothing to decide")
