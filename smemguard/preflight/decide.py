@@ -68,24 +68,32 @@ def decide(report: Report, triton_cache: Path | None = None) -> Decisions:
                        if report.verdict(k, v, spec.name, gpu.name).verdict == OVERFLOWS]
         if not overflowing:
             continue
-        from ..testing import fake_gpu
-
-        with fake_gpu(gpu.name, cache_dir=str(triton_cache) if triton_cache else None):
-            for k, v, spec in overflowing:
-                kernel, variant = report.kernels[k], report.kernels[k].variants[v]
-                try:
-                    measured = report.verdict(k, v, spec.name, gpu.name).shared
-                    table, key, entry = _decide_one(kernel, variant, spec, gpu, measured)
-                except NotDecided as why:
-                    found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: {why}")
-                    continue
-                except Exception as error:  # the stand-in launch itself failed: say so, decide the others
-                    found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: not decided "
-                                       f"({introspect.error_summary(error)})")
-                    continue
-                found.data[table].setdefault(key, entry)
-                found.decided += 1
+        try:
+            _decide_on(gpu, overflowing, report, found, triton_cache)
+        except Exception as error:  # the stand-in GPU itself could not be set up
+            found.notes.append(f"the {len(overflowing)} overflowing configs on {gpu.name}: not decided "
+                               f"({introspect.error_summary(error)})")
     return found
+
+
+def _decide_on(gpu: gpus.Gpu, overflowing: list, report: Report, found: Decisions, triton_cache: Path | None) -> None:
+    from ..testing import fake_gpu
+
+    with fake_gpu(gpu.name, cache_dir=str(triton_cache) if triton_cache else None):
+        for k, v, spec in overflowing:
+            kernel, variant = report.kernels[k], report.kernels[k].variants[v]
+            try:
+                measured = report.verdict(k, v, spec.name, gpu.name).shared
+                table, key, entry = _decide_one(kernel, variant, spec, gpu, measured)
+            except NotDecided as why:
+                found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: {why}")
+                continue
+            except Exception as error:  # the stand-in launch itself failed: say so, decide the others
+                found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: not decided "
+                                   f"({introspect.error_summary(error)})")
+                continue
+            found.data[table].setdefault(key, entry)
+            found.decided += 1
 
 
 def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, gpu: gpus.Gpu, measured: int | None):
