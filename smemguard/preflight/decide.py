@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import decisions, gpus, introspect, ladder, layers
-from ..decision import CONFIG_CHANGED, OPTION_ONLY
+from ..decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
 from ..launch import overflow, resolve
 from .check import Report
 from .compiling import HEURISTIC_SIZE, build_request, torch_dtype
@@ -119,8 +119,8 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
     with _tuner_choices_kept(launch):
         decision = ladder.decide(launch, failing, error)
     if decision.action not in (*OPTION_ONLY, CONFIG_CHANGED):
-        raise NotDecided(f"recovery would {decision.action.replace('_', ' ')} here ({decision.reason or 'no reason'});"
-                         " that holds for one tuning key only, so it is not written")
+        what = "run the registered fallback" if decision.action == FALLBACK else f"re-raise ({decision.reason})"
+        raise NotDecided(f"recovery would {what} here; that holds for one tuning key only, so it is not written")
     case = decisions.cases_for(launch, failing)[decisions.case_name(decision)]
     table, entry = decisions.entry_of(decision, case, f"{gpu.name} (smemguard check)")
     return table, decisions.case_id(case), entry
