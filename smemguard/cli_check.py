@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import gpus
@@ -50,6 +51,12 @@ examples:
   smemguard check kernels.py:matmul --gpu L20 --meta BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=4
       one plain @triton.jit kernel, one config
   smemguard check my_pkg.ops:moe --gpu L4 --one N --sig scale=fp32 --dtype bf16
+  smemguard check my_pkg.kernels --gpu L4,T4 --decisions l4-t4.json
+      also write, for every config that overflows, the decision recovery would take on that GPU
+      (fewer stages, or another config of the kernel's list, compiled to fit on a stand-in of the
+      GPU); then on the serving hosts, or into an image's SMEMGUARD_CACHE_DIR:
+      smemguard cache import l4-t4.json
+      and a checked launch compiles the variant that fits directly, never the one that overflows
 
 what the check needs to know (guessed, or given):
   argument types   pointers are found in the source (loaded from / stored to, or named *ptr) and
@@ -175,6 +182,9 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=_positive, metavar="N",
                         help=f"compiler processes (default: the CPU count, {os.cpu_count()} here)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write cached results")
+    parser.add_argument("--decisions", type=Path, metavar="FILE",
+                        help="write the decision recovery would take for every overflowing config to FILE (replaced "
+                             "atomically), for 'smemguard cache import FILE'")
     parser.add_argument("--json", action="store_true", help="print the JSON document (schema smemguard.check/1)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run_check)
@@ -211,6 +221,10 @@ def run_check(args) -> int:
     from . import preflight
     from .preflight import ResultCache, TargetError, check, discover, format_summary, format_table
 
+    refusal = args.decisions and _unwritable(args.decisions)
+    if refusal:
+        print(f"smemguard check: --decisions {refusal}; nothing checked", file=sys.stderr)
+        return 2
     try:
         gpu_list = parse_gpus(args.gpu)
         kernels = discover(args.targets, examples=args.examples, overrides=_overrides(args))
@@ -222,9 +236,11 @@ def run_check(args) -> int:
         print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
               f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with "
               f"{args.jobs or os.cpu_count()} processes", file=sys.stderr, flush=True)
-    report = check(kernels, gpu_list, exact=args.exact, jobs=args.jobs,
-                   cache=ResultCache(None) if args.no_cache else preflight.default_cache(),
+    cache = ResultCache(None) if args.no_cache else preflight.default_cache()
+    report = check(kernels, gpu_list, exact=args.exact, jobs=args.jobs, cache=cache,
                    progress=None if args.quiet else _progress_printer())
+    if args.decisions and not _write_decisions(report, args.decisions, cache):
+        return 2
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         if not args.quiet:  # the text summary says it; the document only lists them
@@ -235,3 +251,41 @@ def run_check(args) -> int:
         print()
         print(format_summary(report))
     return report.exit_status
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``--decisions`` cannot be written (said before anything is checked), or None."""
+    from . import untrusted
+
+    shown = untrusted.printable(str(path))
+    if path.is_dir():
+        return f"{shown} is a directory; name a file in it"
+    if os.path.lexists(path) and not path.is_file():
+        return f"{shown} is not a regular file (a FIFO, a device or a dangling link)"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{shown}: the directory {untrusted.printable(str(folder))} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{shown} cannot be written (permission denied)"
+    return None
+
+
+def _write_decisions(report, path: Path, cache) -> bool:
+    """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
+    the file could not be written."""
+    from . import files, untrusted
+    from .preflight.decide import decide
+
+    found = decide(report, cache.directory / "triton" if cache.directory is not None else None)
+    try:
+        files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
+    except OSError as error:
+        print(f"smemguard check: cannot write --decisions {untrusted.printable(str(path))} "
+              f"({error.strerror or error}); nothing written", file=sys.stderr)
+        return False
+    for note in found.notes:
+        print(f"smemguard check: no decision for {note}", file=sys.stderr)
+    print(f"smemguard check: wrote {found.entries} decisions to {untrusted.printable(str(path))} for "
+          f"{found.decided} overflowing configs ({len(found.notes)} without one); import them with "
+          f"'smemguard cache import {untrusted.printable(str(path))}'", file=sys.stderr)
+    return True

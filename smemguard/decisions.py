@@ -1,20 +1,28 @@
 """Decisions persisted in ``SMEMGUARD_CACHE_DIR/decisions.json``, shared by every process on the host:
 the file, its schema, and the encoding of a decision as an entry (:mod:`smemguard.recall` applies them).
 
-A decision says what replaces a failing launch on one GPU model at one limit. There are two
-kinds, because they are applied at two different moments:
+A decision says what replaces a failing launch on one arch at one limit. There are three
+kinds, because they are applied at three different moments:
 
 * ``compile``: option-only changes (``num_stages``, ``num_warps``) of one compiled variant,
-  keyed by kernel, source hash, Triton version, GPU, limit and Triton's JIT cache key. A
-  process that meets the variant compiles the replacement instead, so the failing variant
+  keyed by kernel, source hash, Triton version, arch, limit and the variant (:func:`variant_id`).
+  A process that meets the variant compiles the replacement instead, so the failing variant
   is never compiled (Triton >= 3.5, through ``JITFunction._do_compile``);
-* ``launch``: a different autotuner config, the fallback, or "nothing fits", additionally
-  keyed by the autotuner key. Applied at the first failing launch, without trying candidates;
+* ``launch``: a different autotuner config, keyed as a compile decision (it holds for the
+  variant whatever tuning key chose it: recall checks that this launch allows the config and
+  compiles it), or the fallback, or "nothing fits", additionally keyed by the tuning key (another
+  key may allow configs this one did not). Applied at the first failing launch, without trying
+  candidates;
 * ``inductor``: the variant (fewer stages, warps or blocks) that replaces one config of a
-  torch.compile kernel, keyed by Inductor's kernel name, its source hash, Triton version, GPU,
+  torch.compile kernel, keyed by Inductor's kernel name, its source hash, Triton version, arch,
   limit and the config. Applied when Inductor loads the kernel: the variant is compiled and
   loaded directly (:func:`smemguard.inductor.load_remembered`). Files written before this table
   existed have none: they read as an empty one.
+
+A variant is keyed by what Triton compiles (:func:`variant_id`), not by the JIT cache key, which
+holds the launch's keyword order and the Triton release's own text: ``smemguard check
+--decisions`` computes the same key offline. The GPU is keyed by arch and limit, which decide
+what compiles and what fits; torch's device name is kept in the entry for people.
 
 The file is JSON (never pickle), read again whenever it changed on disk, and written
 atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.files`), so
@@ -39,7 +47,6 @@ from typing import Any
 
 from . import files, incidents, introspect, runtime, untrusted
 from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
-from .launch import jit_keys_of
 from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
 log = logging.getLogger(__name__)
@@ -238,8 +245,8 @@ class Store:
         """Untrusted when another user can write the directory or the file."""
         files.check_trusted(self.directory, self.path)
 
-    def _current(self) -> dict:
-        """The table as stored now (caller holds ``_lock``): read again only if the file changed."""
+    def _fresh(self) -> dict:
+        """The decisions, read again if the file changed (caller holds ``_lock``)."""
         if not self._broken:
             try:
                 if self._changed():
@@ -252,12 +259,12 @@ class Store:
 
     def get(self, kind: str, key: str) -> dict | None:
         with self._lock:
-            return self._current()[kind].get(key)
+            return self._fresh()[kind].get(key)
 
     def holds(self, kind: str) -> bool:
-        """Whether table ``kind`` has any entry: one stat when nothing changed, so a healthy process asks freely."""
+        """Whether table ``kind`` has any entry: a compile miss skips keying its variant when it has none."""
         with self._lock:
-            return bool(self._current()[kind])
+            return bool(self._fresh()[kind])
 
     def put(self, kind: str, key: str, entry: dict) -> dict:
         """Store ``entry`` unless another process stored this case first; return the one that stands."""
@@ -326,32 +333,59 @@ def store(directory: Path | None) -> Store | None:
 
 
 # -- Encoding: a recovery decision as a stored entry -------------------------------------------
-# A case is identified by what was compiled and where: kernel, source, Triton, GPU model,
-# enforced limit, JIT key (``compile``), and the tuning key too (``launch``).
+# A case is identified by what was compiled and where: kernel, source, Triton, arch, enforced
+# limit, the variant (``compile``, ``config``), and the tuning key too (``launch``).
+
+#: The table each case of :func:`cases_for` is stored in.
+TABLES = {"compile": "compile", "config": "launch", "launch": "launch"}
+
+#: Options that name files on the host (libdevice's path), not what is compiled.
+_HOST_OPTIONS = ("extern_libs",)
 
 
-def device_fields(device: int) -> dict:
-    """The part of every case that says where it was decided: Triton version, GPU model, arch, enforced limit."""
+def variant_id(source, options: dict) -> str:
+    """What Triton compiles, however the launch spelled it: the hash of its ``ASTSource`` (the
+    kernel's source and the functions it calls, signature, constants, attributes) and its parsed
+    options (Triton's ``options.__dict__``, or the same fields of a compiled kernel's metadata)."""
+    kept = {name: value for name, value in options.items() if name not in _HOST_OPTIONS}
+    text = json.dumps([source.hash(), kept], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compiled_variant_id(kernel) -> str:
+    """:func:`variant_id` of a compiled kernel: its source, and its metadata's option fields."""
+    from triton.compiler.compiler import make_backend
+
+    metadata = kernel.metadata._asdict()
+    fields = make_backend(kernel.metadata.target).parse_options({}).__dict__
+    return variant_id(kernel.src, {name: metadata[name] for name in fields if name in metadata})
+
+
+def compile_case(jit, variant: str, arch, limit: int) -> dict:
+    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit),
+            "triton": runtime.triton_version(), "arch": arch, "limit": limit, "variant": variant}
+
+
+def device_case(jit, variant: str, device: int) -> dict:
+    """:func:`compile_case` on ``device`` as it is now (its arch, the limit enforced there)."""
+    from triton.runtime import driver
+
+    return compile_case(jit, variant, driver.active.get_current_target().arch, runtime.effective_limit(device))
+
+
+def gpu_label(device: int) -> str:
+    """The GPU an entry was decided on, for people (torch's name, else backend and arch)."""
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
-    return {"triton": runtime.triton_version(), "gpu": runtime.gpu_name(device) or f"{target.backend}:{target.arch}",
-            "arch": target.arch, "limit": runtime.effective_limit(device)}
+    return runtime.gpu_name(device) or f"{target.backend}:{target.arch}"
 
 
-def compile_case(jit, jit_key: str, device: int) -> dict:
-    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit),
-            **device_fields(device), "jit_key": jit_key}
-
-
-def cases_for(launch, failing) -> dict | None:
-    """{"compile": case, "launch": case} identifying this failure to other processes; None when
-    the failing kernel is not in the JIT cache (nothing to key it by)."""
-    jit_key = next(jit_keys_of(launch, failing), None)
-    if jit_key is None:
-        return None
-    case = compile_case(launch.jit, jit_key, runtime.current_device())
-    return {"compile": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
+def cases_for(launch, failing) -> dict:
+    """{"compile": case, "config": case, "launch": case} identifying this failure to other processes
+    (see :data:`TABLES` and :func:`case_name`)."""
+    case = device_case(launch.jit, compiled_variant_id(failing), runtime.current_device())
+    return {"compile": case, "config": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
 
 
 def provenance() -> dict:
@@ -359,10 +393,17 @@ def provenance() -> dict:
     return {"time": time.time(), "host": incidents.host(), "pid": os.getpid()}
 
 
-def entry_of(decision, case: dict) -> tuple[str, dict]:
-    """(the table, the entry) that stores ``decision`` for ``case``."""
+def case_name(decision) -> str:
+    """Which case of :func:`cases_for` stores ``decision``."""
+    if decision.options is not None:
+        return "compile"
+    return "config" if decision.action == CONFIG_CHANGED else "launch"
+
+
+def entry_of(decision, case: dict, gpu: str) -> tuple[str, dict]:
+    """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu`` (:func:`gpu_label`)."""
     entry: dict[str, Any] = {"action": decision.action, "final": decision.final, **provenance(),
-                             "from_config": decision.attempts[0].config}
+                             "from_config": decision.attempts[0].config, "gpu": gpu}
     if decision.options is not None:
         entry["options"] = decision.options
     else:
@@ -372,4 +413,4 @@ def entry_of(decision, case: dict) -> tuple[str, dict]:
             entry["fallback"] = introspect.callable_name(decision.fallback)
         entry["reason"] = decision.reason
     entry.update(case)
-    return ("compile" if decision.options is not None else "launch"), entry
+    return TABLES[case_name(decision)], entry

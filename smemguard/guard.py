@@ -92,11 +92,11 @@ def _fail(message: str, settings: Settings) -> bool:
     return False
 
 
-def _remembered_options(jit, key, device, options):
+def _remembered_options(jit, source, device, options):
     from . import recovery
 
     settings = _active
-    return recovery.remembered_options(jit, key, device, options, settings) if settings is not None else None
+    return recovery.remembered_options(jit, source, device, options, settings) if settings is not None else None
 
 
 def _on_warmup(kernel, grid, args, kwargs, compiled):

@@ -202,9 +202,12 @@ def _device(autotuner) -> int:
 
 
 def _case(autotuner, config, device: int) -> dict:
-    """What identifies one config of one Inductor kernel on this GPU to other processes."""
+    """What identifies one config of one Inductor kernel on this GPU's arch and limit to other processes."""
+    from triton.runtime import driver
+
     return {"kernel": kernel_name(autotuner), "source_hash": introspect.source_hash(autotuner.fn),
-            **decisions.device_fields(device), "config": introspect.config_fields(config)}
+            "triton": runtime.triton_version(), "arch": driver.active.get_current_target().arch,
+            "limit": runtime.effective_limit(device), "config": introspect.config_fields(config)}
 
 
 def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
@@ -214,7 +217,7 @@ def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
         store.put("inductor", decisions.case_id(case), {
             **case, "action": action, "resource": overflow.resource, "required": overflow.required,
             "config": introspect.config_fields(candidate), "from_config": introspect.config_text(config),
-            "final": introspect.config_text(candidate), **decisions.provenance()})
+            "final": introspect.config_text(candidate), "gpu": decisions.gpu_label(device), **decisions.provenance()})
 
 
 def _stored_variant(autotuner, config, entry: dict):

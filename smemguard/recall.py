@@ -38,13 +38,14 @@ def _ignored(key: str, why: str) -> None:
                       "nothing were stored", key, why)
 
 
-def remembered_options(jit, jit_key: str, device: int, options, directory: Path | None) -> dict | None:
-    """Option overrides remembered for the variant Triton is about to compile with ``options``
-    (Triton's parsed options; compile-time patch), None when there are none that apply."""
+def remembered_options(jit, source, device: int, options, directory: Path | None) -> dict | None:
+    """Option overrides remembered for the variant Triton is about to compile from ``source`` (its
+    ``ASTSource``) with ``options`` (Triton's parsed options; compile-time patch), None when there are
+    none that apply."""
     store = decisions.store(directory)
-    if store is None:
+    if store is None or not store.holds("compile"):
         return None
-    key = decisions.case_id(decisions.compile_case(jit, jit_key, device))
+    key = decisions.case_id(decisions.device_case(jit, decisions.variant_id(source, options.__dict__), device))
     entry = store.get("compile", key)
     if entry is None:
         return None
@@ -85,7 +86,7 @@ def _from_entry(launch, failing, kind: str, key: str, entry: dict):
     if action == CONFIG_CHANGED:
         config = _config_from_entry(launch, entry["config"])
         if config is None:
-            _ignored(key, "its config is not one of the kernel's own")
+            _ignored(key, "its config is not one of the kernel's own that this launch allows")
             return None
         _, attempt = try_compile(with_config(launch, config), introspect.config_text(config))
         if attempt.fits:
@@ -101,12 +102,13 @@ def _from_entry(launch, failing, kind: str, key: str, entry: dict):
 
 
 def recall(launch, failing, cases: dict, store: decisions.Store):
-    """The decision stored for one of ``cases``, applied to ``launch``; None when there is none that applies."""
-    for kind, case in cases.items():
-        key = decisions.case_id(case)
-        entry = store.get(kind, key)
+    """The decision stored for one of ``cases`` (:func:`decisions.cases_for`), applied to ``launch``; None
+    when there is none that applies."""
+    for name, case in cases.items():
+        table, key = decisions.TABLES[name], decisions.case_id(case)
+        entry = store.get(table, key)
         if entry is not None:
-            decision = _from_entry(launch, failing, kind, key, entry)
+            decision = _from_entry(launch, failing, table, key, entry)
             if decision is not None:
                 return decision
     return None
@@ -114,10 +116,11 @@ def recall(launch, failing, cases: dict, store: decisions.Store):
 
 def remember(launch, failing, decision, cases: dict, store: decisions.Store):
     """Store ``decision``; if another process stored this case first, apply theirs instead."""
-    kind, entry = decisions.entry_of(decision, cases["compile" if decision.options is not None else "launch"])
-    key = decisions.case_id(cases[kind])
-    standing = store.put(kind, key, entry)
+    case = cases[decisions.case_name(decision)]
+    table, entry = decisions.entry_of(decision, case, decisions.gpu_label(runtime.current_device()))
+    key = decisions.case_id(case)
+    standing = store.put(table, key, entry)
     if standing is entry:
         return decision
-    theirs = _from_entry(launch, failing, kind, key, standing)
+    theirs = _from_entry(launch, failing, table, key, standing)
     return theirs if theirs is not None else decision

@@ -63,9 +63,9 @@ def forget() -> None:
     runtime.drop_replacements()
 
 
-def remembered_options(jit, jit_key: str, device: int, options, settings) -> dict | None:
+def remembered_options(jit, source, device: int, options, settings) -> dict | None:
     """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
-    return recall.remembered_options(jit, jit_key, device, options, settings.cache_dir)
+    return recall.remembered_options(jit, source, device, options, settings.cache_dir)
 
 
 def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:

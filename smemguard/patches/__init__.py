@@ -72,7 +72,8 @@ class PatchContext:
     settings: Any  # smemguard.settings.Settings
     #: (kernel, grid, args, kwargs, error) -> what the launch returns, or raises
     on_out_of_resources: Callable[..., Any]
-    #: (jit, jit_key, device) -> option overrides remembered for that compile ({"num_stages": 3}) or None
+    #: (jit, its ASTSource, device, Triton's parsed options) -> option overrides remembered for that compile
+    #: ({"num_stages": 3}) or None
     remembered_options: Callable[..., Any]
     #: (kernel, grid, args, kwargs, compiled) -> the compiled kernel that will run (a replacement when it did not fit)
     on_warmup: Callable[..., Any]

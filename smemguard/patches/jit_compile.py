@@ -3,8 +3,9 @@
 Why: when another process (or an earlier run) learned that a compiled variant overflows this
 GPU and that fewer stages (or warps) fit, compiling the failing variant first is wasted
 seconds and a wasted exception. ``_do_compile`` runs only on a JIT cache miss, with the key
-the variant will be cached under and Triton's parsed options; the wrapper swaps in the
-remembered options (``context.remembered_options``), and lowers the kernel's pipeline-depth
+the variant will be cached under, what it compiles (signature, constants, attributes) and Triton's
+parsed options; the wrapper keys the variant as recovery does (:func:`smemguard.decisions.variant_id`),
+swaps in the remembered options (``context.remembered_options``), and lowers the kernel's pipeline-depth
 parameters with them (:mod:`smemguard.knobs`), so the replacement is compiled and
 cached under the original key and every launch of that variant runs it. Launches never pass
 through here once cached.
@@ -38,7 +39,7 @@ OBSERVE_SAFE = False  # compiles remembered replacements instead of what was ask
 
 _LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")
 
-_remembered_options = None  # (jit, key, device, options) -> {"num_stages": 3} | None
+_remembered_options = None  # (jit, source, device, options) -> {"num_stages": 3} | None
 
 
 def applies(settings) -> bool:
@@ -46,15 +47,18 @@ def applies(settings) -> bool:
 
 
 def _arguments(key, signature, device, constexprs, options, attrs, warmup):
-    return key, device, constexprs, options
+    return key, signature, device, constexprs, options, attrs
 
 
 def _compile_remembered(wrapped, instance, args, kwargs):
     override = None
     if _remembered_options is not None and not runtime.benchmarking():
         try:
-            key, device, constexprs, options = _arguments(*args, **kwargs)
-            override = _remembered_options(instance, key, device, options)
+            from triton.compiler.compiler import ASTSource
+
+            key, signature, device, constexprs, options, attrs = _arguments(*args, **kwargs)
+            override = _remembered_options(instance, ASTSource(instance, signature, constexprs, attrs), device,
+                                           options)
             if override:
                 replaced = dataclasses.replace(options, **override)
                 # A pipeline-depth parameter is lowered with the option, as recovery compiled it.

@@ -33,7 +33,8 @@ One module per job, each importing only those listed before it: :mod:`.model` (w
 :mod:`.source` (reading a kernel's source: pointers, unit strides), :mod:`.discovery` (finding
 kernels, their argument types), :mod:`.compiling` (compile requests,
 the cache key, the process pool), :mod:`.cache` (results on disk),
-:mod:`.check` (the scheduler, the verdicts, the report and its JSON), :mod:`.output` (the text).
+:mod:`.check` (the scheduler, the verdicts, the report and its JSON), :mod:`.output` (the text),
+:mod:`.decide` (``--decisions``: recovery's decisions for the overflows found, on a stand-in GPU).
 
 The runtime counterpart, :func:`smemguard.fits`, lives in :mod:`smemguard.pruning`: serving
 processes import it without this package.

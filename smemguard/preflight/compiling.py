@@ -41,6 +41,19 @@ class PlanError(Exception):
     """This config cannot be compiled as asked (missing constexpr, failing heuristic)."""
 
 
+#: Triton's element type names -> torch's.
+_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
+                 "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "fp8e4nv": "float8_e4m3fn",
+                 "fp8e5": "float8_e5m2"}
+
+
+def torch_dtype(name: str):
+    """torch's dtype for a Triton element type name ("fp16" -> torch.float16)."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES.get(name, name))
+
+
 class _StandInPointer:
     """What a ``triton.heuristics`` function sees for a tensor argument during a check."""
 
@@ -50,12 +63,7 @@ class _StandInPointer:
 
     @property
     def dtype(self):
-        import torch
-
-        names = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
-                 "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "fp8e4nv": "float8_e4m3fn",
-                 "fp8e5": "float8_e5m2"}
-        return getattr(torch, names.get(self._dtype, self._dtype))
+        return torch_dtype(self._dtype)
 
     def element_size(self) -> int:
         return ELEMENT_BYTES.get(self._dtype, 4)

@@ -210,7 +210,8 @@ def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKer
     module, attribute, file = locator_from
     # How a worker process finds the same JIT function; it cannot import one defined in __main__.
     locator = None if module.__name__ == "__main__" else (module.__name__, attribute, file)
-    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator, unsure)
+    return CheckedKernel(name, jit, variants, types, constants, unit, specializations, heuristics, locator, unsure,
+                         obj)
 
 
 def _unit_args(jit, types: dict[str, str], unit, kernel_name: str):

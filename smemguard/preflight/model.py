@@ -106,6 +106,7 @@ class CheckedKernel:
     locator: tuple[str, str, str | None] | None = None  # (module, attribute, file) for worker processes
     # Innermost strides the source leaves unsure; each specialization says which it takes as 1 (guessed_ones).
     unsure_unit_args: tuple[str, ...] = ()
+    launched: Any = None  # what a launch indexes: the autotuner, heuristics or JIT function found
 
     @property
     def jit_name(self) -> str:

@@ -1,0 +1,203 @@
+"""``smemguard check --decisions FILE``: the decision recovery would take for every overflowing config, which
+``smemguard cache import`` stores, so that a checked launch compiles the variant that fits directly."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from triton import knobs
+
+import smemguard
+from smemguard import cli, layers, preflight
+from smemguard.patches import jit_compile
+from smemguard.examples import attention_args, attention_fwd, attention_grid, matmul_args, matmul_kernel, tiled_grid
+from smemguard.preflight import ResultCache
+from smemguard.testing import fake_gpu
+
+import preflight_fixed_kernels as fixed
+from conftest import records
+
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+
+
+def check_decisions(targets, gpu_names, path: Path, monkeypatch) -> int:
+    """``smemguard check TARGETS --gpu GPUS --decisions PATH`` through the CLI's entry point."""
+    monkeypatch.setattr(preflight, "default_cache", lambda: ResultCache(None))
+    return cli.main(["check", *targets, "--gpu", gpu_names, "--decisions", str(path), "--quiet", "--jobs", "1"])
+
+
+def imported(path: Path, directory: Path) -> Path:
+    """``smemguard cache import PATH --dir DIRECTORY`` into a fresh cache directory."""
+    assert cli.main(["cache", "import", str(path), "--dir", str(directory)]) == 0
+    return directory
+
+
+class Compiles:
+    """Every variant Triton's JIT compiles (its own hook, called on each JIT cache miss), as (stages, warps)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __enter__(self):
+        knobs.runtime.jit_cache_hook = lambda **kw: self.seen.append(
+            (kw["compile"]["num_stages"], kw["compile"]["num_warps"])) and False
+        return self
+
+    def __exit__(self, *exc):
+        knobs.runtime.jit_cache_hook = None
+
+
+def launch_once(install_guard, cache_dir, log, gpu_name, triton_cache, launch):
+    """Install smemguard with ``cache_dir``, run ``launch()`` once on a stand-in ``gpu_name``: (what ran, the
+    variants compiled, the incident records)."""
+    install_guard(cache_dir=cache_dir, log_path=log)
+    try:
+        with fake_gpu(gpu_name, cache_dir=triton_cache) as gpu, Compiles() as compiles:
+            launch()
+    finally:
+        smemguard.uninstall()
+    ran = gpu.launches[-1]
+    return (ran.num_stages, ran.num_warps, ran.shared), compiles.seen, records(log)
+
+
+def tensors(size=256):
+    return [torch.empty(size, size, dtype=torch.float16) for _ in range(3)]
+
+
+def launch_fixed():
+    a, b, c = tensors()
+    matmul_kernel[tiled_grid(256, 256)](*matmul_args(a, b, c), **fixed.FIXED.all_kwargs())
+
+
+def launch_tuned_elsewhere():
+    a, b, c = tensors()
+    args = matmul_args(a, b, c)
+    fixed.tuned_elsewhere.cache.clear()
+    fixed.tuned_elsewhere.cache[layers.tuning_key(fixed.tuned_elsewhere, args, {})] = fixed.BIG
+    fixed.tuned_elsewhere[tiled_grid(256, 256)](*args)
+
+
+def assert_compiled_directly(ran, compiled, incidents):
+    """The variant that fits compiled first and alone, no OutOfResources reaching smemguard (Triton 3.5 and later;
+    3.4 compiles inline, so the stored decision applies at the first failing launch, without candidates)."""
+    if jit_compile.SUPPORTED.admits(triton.__version__):
+        assert incidents == [], "no OutOfResources reached smemguard: the failing variant was never compiled"
+        assert compiled == [ran[:2]], "one compile: the variant that fits, nothing else"
+    else:
+        [record] = incidents
+        assert record["remembered"] is True and len(record["attempts"]) == 1
+
+
+def round_trip(tmp_path, install_guard, triton_cache, gpu_name, decisions_file, launch):
+    """The launch with the imported decisions, and the same launch recovered without them."""
+    directory = imported(decisions_file, tmp_path / f"imported-{gpu_name}")
+    decided = launch_once(install_guard, directory, tmp_path / f"decided-{gpu_name}.jsonl", gpu_name, triton_cache,
+                          launch)
+    recovered = launch_once(install_guard, tmp_path / f"empty-{gpu_name}", tmp_path / f"recovered-{gpu_name}.jsonl",
+                            gpu_name, triton_cache, launch)
+    return decided, recovered
+
+
+@pytest.mark.parametrize("gpu_name", ["L4", "MI300X"])
+def test_a_checked_fixed_config_compiles_the_fitting_variant_directly(tmp_path, monkeypatch, install_guard,
+                                                                     triton_cache, gpu_name):
+    path = tmp_path / "decisions.json"
+    # Exit 1: its one config overflows; the decisions say what recovery does about it.
+    assert check_decisions(["preflight_fixed_kernels:matmul_kernel"], gpu_name, path, monkeypatch) == 1
+    stored = json.loads(path.read_text())
+    assert stored["launch"] == {} and stored["compile"], "fewer stages fit: compile decisions"
+    (ran, compiled, incidents), (ran_recovered, compiled_recovered, recovered) = round_trip(
+        tmp_path, install_guard, triton_cache, gpu_name, path, launch_fixed)
+    assert_compiled_directly(ran, compiled, incidents)
+    [record] = recovered
+    assert record["action"] == "stages_reduced" and len(compiled_recovered) > 1
+    assert ran == ran_recovered, "the variant recovery chooses without the file"
+
+
+def test_a_config_tuned_elsewhere_switches_on_a_t4_without_trying_candidates(tmp_path, monkeypatch, install_guard,
+                                                                           triton_cache):
+    path = tmp_path / "decisions.json"
+    assert check_decisions(["preflight_fixed_kernels:tuned_elsewhere"], "T4", path, monkeypatch) == 0
+    stored = json.loads(path.read_text())
+    [entry] = {json.dumps(e["config"], sort_keys=True): e for e in stored["launch"].values()}.values()
+    assert entry["action"] == "config_changed" and "tuning_key" not in entry, "keyed by the config, any tuning key"
+    (ran, compiled, incidents), (ran_recovered, compiled_recovered, recovered) = round_trip(
+        tmp_path, install_guard, triton_cache, "T4", path, launch_tuned_elsewhere)
+    assert ran == ran_recovered, "the config recovery chooses without the file"
+    # Another config is adopted by the tuner at the launch: the config in force is compiled and rejected once,
+    # then only the stored config is compiled.
+    [record], [record_recovered] = incidents, recovered
+    assert record["remembered"] is True and len(record["attempts"]) == 1, "no candidate tried"
+    assert record_recovered["remembered"] is False and len(compiled) == 2
+
+
+def config_of(entry: dict, configs: list):
+    """The config of ``configs`` an entry was decided for (its ``from_config``: NAME=VALUE ... num_stages=S)."""
+    fields = dict(part.split("=") for part in entry["from_config"].split())
+    return next(config for config in configs if all(fields[name] == str(value) for name, value in
+                                                    {**config.kwargs, "num_warps": config.num_warps,
+                                                     "num_stages": config.num_stages}.items()))
+
+
+@pytest.mark.parametrize("gpu_name", ["L4", "T4", "MI300X"])
+def test_the_example_attention_round_trip(tmp_path, monkeypatch, install_guard, triton_cache, gpu_name):
+    """The example flash-attention forward, its config in force tuned elsewhere: the first config the check wrote a
+    decision for, launched as the check compiled it (contiguous, aligned tensors)."""
+    path = tmp_path / "decisions.json"
+    assert check_decisions(["smemguard.examples:attention_fwd"], gpu_name, path, monkeypatch) in (0, 1)
+    stored = json.loads(path.read_text())
+    table, entry = next((table, entry) for table in ("compile", "launch") for entry in stored[table].values())
+    overflowing = config_of(entry, attention_fwd.configs)
+    q, k, v, o = (torch.empty(4, 1024, 128, dtype=torch.float16) for _ in range(4))
+
+    def launch():
+        args = attention_args(q, k, v, o, 0.1)
+        attention_fwd.cache.clear()
+        attention_fwd.cache[layers.tuning_key(attention_fwd, args, {"HEAD_DIM": 128})] = overflowing
+        attention_fwd[attention_grid(1024, 4)](*args, HEAD_DIM=128)
+
+    (ran, compiled, incidents), (ran_recovered, _, recovered) = round_trip(
+        tmp_path, install_guard, triton_cache, gpu_name, path, launch)
+    assert ran == ran_recovered and recovered, "the variant recovery chooses without the file"
+    if table == "compile":
+        assert_compiled_directly(ran, compiled, incidents)
+    else:  # another config: the one in force is rejected once, then only the stored one is compiled
+        [record] = incidents
+        assert record["remembered"] is True and len(record["attempts"]) == 1 and len(compiled) == 2
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda tmp: tmp, "is a directory"),
+    (lambda tmp: (os.mkfifo(tmp / "pipe"), tmp / "pipe")[1], "not a regular file"),
+    (lambda tmp: tmp / "missing" / "decisions.json", "does not exist"),
+    (lambda tmp: ((tmp / "ro").mkdir(mode=0o500), tmp / "ro" / "decisions.json")[1], "cannot be written"),
+])
+def test_a_bad_decisions_path_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch, capsys, make, problem):
+    if problem == "cannot be written" and os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    target = make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setenv("SMEMGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["check", "smemguard.examples:flaggems_matmul", "--gpu", "L4", "--decisions", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and problem in err[0] and "--decisions" in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written, not even the check's cache"
+
+
+def test_rerunning_replaces_only_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "decisions.json"
+    path.write_text("an older file")
+    for _ in range(2):
+        assert check_decisions(["smemguard.examples:matmul_persistent_kernel"], "L4", path, monkeypatch) == 0
+        assert json.loads(path.read_text()) == {"schema": 1, "compile": {}, "launch": {}}, "every config fits an L4"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.json"], "no temporary file left beside it"
+
+
+def test_check_help_teaches_the_decisions_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["check", "--help"])
+    text = capsys.readouterr().out
+    assert "--decisions l4-t4.json" in text and "smemguard cache import l4-t4.json" in text
