@@ -143,7 +143,7 @@ def config_of(entry: dict, configs: list):
                                                      "num_stages": config.num_stages}.items()))
 
 
-@pytest.mark.parametrize("gpu_name", ["L4", pytest.param("T4", marks=pytest.mark.slow), "MI300X"])
+@pytest.mark.parametrize("gpu_name", ["L4", *(pytest.param(name, marks=pytest.mark.slow) for name in ("T4", "MI300X"))])
 def test_the_example_attention_round_trip(tmp_path, monkeypatch, install_guard, triton_cache, gpu_name):
     """The example flash-attention forward, its config in force tuned elsewhere: the first config the check wrote a
     decision for, launched as the check compiled it (contiguous, aligned tensors)."""
