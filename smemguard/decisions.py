@@ -117,6 +117,10 @@ _NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPT
           RERAISED: {"reason": TEXT}}
 
 
+#: What a torch.compile entry holds: the variant's config, what did not fit, and the bytes it needed.
+_INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": integer(0)}
+
+
 def entry_problems(kind: str, entry: Any) -> list[str]:
     """Why recovery could not apply ``entry`` of table ``kind`` (empty when it can)."""
     if not isinstance(entry, dict):
@@ -124,7 +128,7 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     found = untrusted.problems(entry, {"action": one_of(*ACTIONS[kind])})
     if found:
         return found
-    needs = {"config": OBJECT, "resource": TEXT} if kind == "inductor" else _NEEDS[entry["action"]]
+    needs = _INDUCTOR_NEEDS if kind == "inductor" else _NEEDS[entry["action"]]
     found = untrusted.problems(entry, needs)
     if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")

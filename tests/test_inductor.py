@@ -174,6 +174,17 @@ def test_a_stored_variant_recovery_could_not_produce_is_ignored(install_guard, i
     assert "ignoring stored decision" in caplog.text
 
 
+def test_a_torch_compile_entry_is_checked_when_read():
+    from smemguard import decisions
+
+    good = {"action": "stages_reduced", "resource": "shared memory", "required": 131072,
+            "config": {"kwargs": {}, "num_warps": 4, "num_stages": 4, "num_ctas": 1, "maxnreg": None}}
+    assert decisions.entry_problems("inductor", good) == []
+    for field, bad in (("required", "lots"), ("required", -1), ("action", "config_changed"), ("config", [])):
+        assert decisions.entry_problems("inductor", {**good, field: bad}), (field, bad)
+    assert decisions.entry_problems("inductor", {**good, "config": {**good["config"], "num_stages": 99}})
+
+
 def test_an_emulated_limit_gets_torch_compile_caches_of_its_own(tmp_path):
     """Inductor's FX graph cache keys by the device's name: a graph compiled on the full GPU must not be served to
     a run emulating a smaller one (nor the other way round). The user's own tag stays in front of ours."""
