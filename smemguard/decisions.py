@@ -11,8 +11,9 @@ kinds, because they are applied at three different moments:
 * ``launch``: a different autotuner config, keyed as a compile decision (it holds for the
   variant whatever tuning key chose it: recall checks that this launch allows the config and
   compiles it), or the fallback, or "nothing fits", additionally keyed by the tuning key (another
-  key may allow configs this one did not). Applied at the first failing launch, without trying
-  candidates;
+  key may allow configs this one did not). A config change is applied at the launch of the variant,
+  which is refused before compiling (Triton >= 3.5); the others at the first failing launch. No
+  candidates are tried;
 * ``inductor``: the variant (fewer stages, warps or blocks) that replaces one config of a
   torch.compile kernel, keyed by Inductor's kernel name, its source hash, Triton version, arch,
   limit and the config. Applied when Inductor loads the kernel: the variant is compiled and
@@ -117,6 +118,10 @@ _NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPT
           RERAISED: {"reason": TEXT}}
 
 
+#: What the failing variant needed (absent from entries written before December 2026: such a variant is compiled
+#: and fails before the entry applies).
+_OVERFLOW = {"resource": TEXT, "required": integer(0)}
+
 #: What a torch.compile entry holds: the variant's config, what did not fit, and the bytes it needed.
 _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": integer(0)}
 
@@ -129,7 +134,7 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     if found:
         return found
     needs = _INDUCTOR_NEEDS if kind == "inductor" else _NEEDS[entry["action"]]
-    found = untrusted.problems(entry, needs)
+    found = untrusted.problems(entry, needs, _OVERFLOW)
     if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
     return found
@@ -365,16 +370,19 @@ def compiled_variant_id(kernel) -> str:
     return variant_id(kernel.src, {name: metadata[name] for name in fields if name in metadata})
 
 
-def compile_case(jit, variant: str, arch, limit: int) -> dict:
-    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit),
-            "triton": runtime.triton_version(), "arch": arch, "limit": limit, "variant": variant}
+def on_device(device: int) -> dict:
+    """The fields that key a case to ``device`` as it is now: the Triton release, its arch, and the limit
+    enforced there (the emulated one under ``SMEMGUARD_MAX_SHARED``)."""
+    from triton.runtime import driver
+
+    return {"triton": runtime.triton_version(), "arch": driver.active.get_current_target().arch,
+            "limit": runtime.effective_limit(device)}
 
 
 def device_case(jit, variant: str, device: int) -> dict:
-    """:func:`compile_case` on ``device`` as it is now (its arch, the limit enforced there)."""
-    from triton.runtime import driver
-
-    return compile_case(jit, variant, driver.active.get_current_target().arch, runtime.effective_limit(device))
+    """What identifies the compiled ``variant`` (:func:`variant_id`) of ``jit`` on ``device`` to other processes."""
+    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit), **on_device(device),
+            "variant": variant}
 
 
 def gpu_label(device: int) -> str:
@@ -404,10 +412,12 @@ def case_name(decision) -> str:
     return "config" if decision.action == CONFIG_CHANGED else "launch"
 
 
-def entry_of(decision, case: dict, gpu: str) -> tuple[str, dict]:
-    """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu`` (:func:`gpu_label`)."""
+def entry_of(decision, case: dict, gpu: str, error) -> tuple[str, dict]:
+    """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu`` (:func:`gpu_label`)
+    about ``error`` (what the variant needs: a process that meets it again refuses it before compiling)."""
     entry: dict[str, Any] = {"action": decision.action, "final": decision.final, **provenance(),
-                             "from_config": decision.attempts[0].config, "gpu": gpu}
+                             "from_config": decision.attempts[0].config, "gpu": gpu,
+                             "resource": error.name, "required": error.required}
     if decision.options is not None:
         entry["options"] = decision.options
     else:

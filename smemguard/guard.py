@@ -39,7 +39,7 @@ def _wanted(module, settings: Settings) -> bool:
 def _context(settings: Settings):
     from .patches import PatchContext
 
-    return PatchContext(settings, _on_out_of_resources, _remembered_options, _on_warmup, _on_inductor_overflow,
+    return PatchContext(settings, _on_out_of_resources, _remembered_compile, _on_warmup, _on_inductor_overflow,
                         _on_inductor_load)
 
 
@@ -92,11 +92,12 @@ def _fail(message: str, settings: Settings) -> bool:
     return False
 
 
-def _remembered_options(jit, source, device, options):
+def _remembered_compile(jit, source, device, options, *, launching):
     from . import recovery
 
     settings = _active
-    return recovery.remembered_options(jit, source, device, options, settings) if settings is not None else None
+    return (recovery.remembered_compile(jit, source, device, options, settings, launching=launching)
+            if settings is not None else None)
 
 
 def _on_warmup(kernel, grid, args, kwargs, compiled):
@@ -140,13 +141,13 @@ def _on_inductor_load(autotuner) -> None:
                           exc_info=True)
 
 
-def _on_out_of_resources(kernel, grid, args, kwargs, error):
+def _on_out_of_resources(kernel, grid, args, kwargs, error, again):
     from . import recovery
 
     settings = _active
     if settings is None:  # uninstalled while another tool's layer kept our launcher alive
         raise error
-    return recovery.handle(kernel, grid, args, kwargs, error, settings)
+    return recovery.handle(kernel, grid, args, kwargs, error, settings, again)
 
 
 def _patch(settings: Settings) -> bool:

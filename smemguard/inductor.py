@@ -203,11 +203,8 @@ def _device(autotuner) -> int:
 
 def _case(autotuner, config, device: int) -> dict:
     """What identifies one config of one Inductor kernel on this GPU's arch and limit to other processes."""
-    from triton.runtime import driver
-
     return {"kernel": kernel_name(autotuner), "source_hash": introspect.source_hash(autotuner.fn),
-            "triton": runtime.triton_version(), "arch": driver.active.get_current_target().arch,
-            "limit": runtime.effective_limit(device), "config": introspect.config_fields(config)}
+            **decisions.on_device(device), "config": introspect.config_fields(config)}
 
 
 def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:

@@ -237,7 +237,7 @@ def try_compile_all(candidates: list[tuple[Launch, str]]) -> list[tuple[Any, Att
     from concurrent.futures import ThreadPoolExecutor
 
     started = time.perf_counter()
-    results: list[tuple[Any, Attempt]] = []
+    results: list[tuple[Any, Attempt] | None] = []
     with ThreadPoolExecutor(len(candidates), thread_name_prefix="smemguard-compile") as pool, \
             _async_compile.AsyncCompileMode(pool, ignore_errors=True):
         pending = []
@@ -253,10 +253,24 @@ def try_compile_all(candidates: list[tuple[Launch, str]]) -> list[tuple[Any, Att
                 if isinstance(kernel, _async_compile.FutureKernel):
                     kernel = kernel.result()
             except Exception as error:
-                results.append((None, _not_compiled(label, error, started)))
+                results.append(None if _interpreter_fault(error) else (None, _not_compiled(label, error, started)))
                 continue
             results.append(_checked(launch, kernel, started))
-    return results
+    # Compiled again in turn: the thread, not the candidate, failed.
+    return [result if result is not None else try_compile(launch, label)
+            for (launch, label), result in zip(candidates, results)]
+
+
+def _interpreter_fault(error: BaseException) -> bool:
+    """Whether a compile in a worker thread failed for the interpreter's sake, not the kernel's: CPython
+    3.11's ``ast.parse`` (Triton parses each called function's source) can raise ``SystemError: AST
+    constructor recursion depth mismatch`` while another thread parses too (cpython gh-106905)."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, SystemError):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _not_compiled(label: str, error: Exception, started: float) -> Attempt:

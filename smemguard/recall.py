@@ -11,10 +11,13 @@ recovered as if nothing were stored.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from pathlib import Path
+from typing import Iterator
 
-from . import decisions, introspect, ladder, registry, runtime
+from . import decisions, incidents, introspect, ladder, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
 from .launch import try_compile, with_config
 
@@ -38,22 +41,76 @@ def _ignored(key: str, why: str) -> None:
                       "nothing were stored", key, why)
 
 
-def remembered_options(jit, source, device: int, options, directory: Path | None) -> dict | None:
-    """Option overrides remembered for the variant Triton is about to compile from ``source`` (its
-    ``ASTSource``) with ``options`` (Triton's parsed options; compile-time patch), None when there are
-    none that apply."""
+def remembered_compile(jit, source, device: int, options, directory: Path | None, *, launching: bool) -> dict | None:
+    """What the decision cache says of the variant Triton is about to compile from ``source`` (its
+    ``ASTSource``) with ``options`` (Triton's parsed options; compile-time patch).
+
+    Option overrides to compile instead (fewer stages or warps), None when nothing applies. Raises
+    the ``OutOfResources`` the variant would raise at its launch, without compiling it, where the
+    variant is stored as overflowing and compiling it gains nothing: inside the autotuner's
+    benchmark (which must see it fail, and does) and, when ``launching``, for a variant whose tuner
+    switches to another config (:func:`switch` applies it at the launch guard). Never while
+    :func:`compiling_as_asked`.
+    """
     store = decisions.store(directory)
-    if store is None or not store.holds("compile"):
+    if store is None or getattr(_as_asked, "depth", 0) or not (store.holds("compile") or store.holds("launch")):
         return None
     key = decisions.case_id(decisions.device_case(jit, decisions.variant_id(source, options.__dict__), device))
-    entry = store.get("compile", key)
+    table, entry = next(((table, entry) for table in ("compile", "launch")
+                         if (entry := store.get(table, key)) is not None), (None, None))
     if entry is None:
         return None
-    why = options_problem(entry["options"], options.num_stages, options.num_warps, getattr(options, "warp_size", 32))
-    if why is not None:
-        _ignored(key, why)
-        return None
-    return dict(entry["options"])
+    benchmarking = runtime.benchmarking()
+    if table == "compile" and not benchmarking:
+        why = options_problem(entry["options"], options.num_stages, options.num_warps,
+                              getattr(options, "warp_size", 32))
+        if why is not None:
+            _ignored(key, why)
+            return None
+        return dict(entry["options"])
+    if (benchmarking or (launching and entry["action"] == CONFIG_CHANGED)) and entry.get("resource") == SHARED\
+            and isinstance(entry.get("required"), int):
+        raise _refused(key, entry)
+    return None
+
+
+#: The resource a refused variant is refused for: the limit of the stored case is the shared memory's.
+SHARED = "shared memory"
+
+_as_asked = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_as_asked() -> Iterator[None]:
+    """In this block (this thread) every variant is compiled as asked, none refused before compiling."""
+    _as_asked.depth = getattr(_as_asked, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _as_asked.depth -= 1
+
+
+def _refused(key: str, entry: dict):
+    """Triton's own error for a variant that needs ``entry["required"]`` bytes, marked as refused for ``entry``."""
+    from triton.runtime.errors import OutOfResources
+
+    error = OutOfResources(entry["required"], entry["limit"], SHARED)
+    error.smemguard_stored = (key, entry)  # read by the launch guard (stored()); pickling keeps Triton's fields only
+    incidents.add_note(error, f"smemguard: refused before compiling: the decision cache ({decisions.FILE_NAME}, "
+                       f"entry {key}, decided on {entry.get('gpu', '?')}) says this variant needs {entry['required']} "
+                       f"B here; compiling it would raise this error at its launch")
+    return error
+
+
+def stored(error) -> tuple[str, dict] | None:
+    """(key, entry) when ``error`` was raised by :func:`remembered_compile` for a config switch, else None."""
+    return getattr(error, "smemguard_stored", None)
+
+
+def switch(launch, key: str, entry: dict) -> Decision | None:
+    """The stored config switch applied to ``launch`` (its config compiled and checked: one compile), or None
+    when it does not apply to this launch."""
+    return _from_entry(launch, None, "launch", key, entry)
 
 
 def _config_from_entry(launch, entry: dict):
@@ -114,10 +171,10 @@ def recall(launch, failing, cases: dict, store: decisions.Store):
     return None
 
 
-def remember(launch, failing, decision, cases: dict, store: decisions.Store):
-    """Store ``decision``; if another process stored this case first, apply theirs instead."""
+def remember(launch, failing, error, decision, cases: dict, store: decisions.Store):
+    """Store ``decision`` about ``error``; if another process stored this case first, apply theirs instead."""
     case = cases[decisions.case_name(decision)]
-    table, entry = decisions.entry_of(decision, case, decisions.gpu_label(runtime.current_device()))
+    table, entry = decisions.entry_of(decision, case, decisions.gpu_label(runtime.current_device()), error)
     key = decisions.case_id(case)
     standing = store.put(table, key, entry)
     if standing is entry:

@@ -63,9 +63,10 @@ def forget() -> None:
     runtime.drop_replacements()
 
 
-def remembered_options(jit, source, device: int, options, settings) -> dict | None:
-    """Option overrides remembered for the variant Triton is about to compile (compile-time patch)."""
-    return recall.remembered_options(jit, source, device, options, settings.cache_dir)
+def remembered_compile(jit, source, device: int, options, settings, *, launching: bool) -> dict | None:
+    """Option overrides remembered for the variant Triton is about to compile, or its refusal
+    (compile-time patch; :func:`smemguard.recall.remembered_compile`)."""
+    return recall.remembered_compile(jit, source, device, options, settings.cache_dir, launching=launching)
 
 
 def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
@@ -119,7 +120,7 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
         decision = steps.run("decide", ladder.decide, launch, failing, error)
         if cases:
             chosen = decision
-            decision = steps.run("store the decision", recall.remember, launch, failing, chosen, cases, store,
+            decision = steps.run("store the decision", recall.remember, launch, failing, error, chosen, cases, store,
                                  otherwise=lambda: chosen)
     return decision
 
@@ -164,14 +165,18 @@ def _layer_name(launched) -> str:
         return type(launched).__qualname__
 
 
-def handle(launched, grid, args, kwargs, error, settings):
+def handle(launched, grid, args, kwargs, error, settings, again):
     """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
+    ``again()`` runs the launch once more as it was asked (through every layer of the guarded call).
 
     smemguard's own work runs inside the guard (:class:`~smemguard.internal.Steps`, and a last one
     around all of it); what it decides to run (the relaunch, the user's fallback) runs outside it, so
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
     saved work, the recovered launch."""
+    stored = recall.stored(error)
+    if stored is not None:
+        return _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stored)
     started = time.perf_counter()
     steps = Steps(_layer_name(launched))
     launch = failing = None
@@ -192,6 +197,32 @@ def handle(launched, grid, args, kwargs, error, settings):
                    "error is raised"), started, settings.log_path)
         raise error
     return run()
+
+
+def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stored: tuple[str, dict]):
+    """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
+    another config (:func:`smemguard.recall.remembered_compile`). Applied here with one compile, the
+    stored config's, and no incident (it was decided before). Where it does not apply to this launch,
+    or a step of it fails, the launch runs again as asked, compiling the variant, and a failure of
+    that is recovered like any other."""
+    from triton.runtime.errors import OutOfResources
+
+    steps = Steps(_layer_name(launched))
+    decision = launch = None
+    try:
+        launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
+        if launch is not None:
+            decision = steps.run("apply the stored config", recall.switch, launch, *stored)
+    except StepFailed:  # logged where it failed
+        pass
+    if decision is not None:
+        return with_config(launch, decision.config).relaunch()
+    try:
+        with recall.compiling_as_asked():
+            return again()
+    except OutOfResources as real:
+        real_error = real
+    return handle(launched, grid, args, kwargs, real_error, settings, again)
 
 
 def _recover(launched, launch: Launch | None, failing, error, settings, steps: Steps, started: float):

@@ -65,7 +65,7 @@ def test_stages_whose_tiles_alone_overflow_by_the_estimate_are_not_compiled(inst
     assert record["skipped"][0] == "num_stages=1 to 3: at least 98304 B, one stage of its tiles (calibrated estimate)"
     compiled = [attempt["changes"] for attempt in record["attempts"][1:]]
     assert not any("num_stages" in text and "BLOCK" not in text for text in compiled), compiled
-    assert all(attempt["fits"] for attempt in record["attempts"][1:]) and record["compiles"] <= 3
+    assert all(attempt["fits"] for attempt in record["attempts"][1:]) and record["compiles"] <= 3, record
 
 
 def test_before_sm_80_no_stage_count_is_compiled(install_guard, incident_log, triton_cache):
@@ -115,11 +115,38 @@ def test_candidate_configs_compile_concurrently_and_decide_as_one_at_a_time(inst
     finally:
         knobs.compilation.listener = listener
     (record,) = records(incident_log)
-    assert record["compiles"] == 3 and all(attempt["fits"] for attempt in record["attempts"][1:])
+    assert record["compiles"] == 3 and all(attempt["fits"] for attempt in record["attempts"][1:]), record
     # the failing compile ran in the launching thread, the three candidates in smemguard's workers
     assert compiled_in[0] == threading.current_thread().name
     assert len(compiled_in) == 4 and all(name.startswith("smemguard-compile") for name in compiled_in[1:])
     assert record["compile_ms"] <= sum(attempt["compile_ms"] for attempt in record["attempts"][1:])
+
+
+def test_a_candidate_whose_worker_thread_failed_is_compiled_again_in_turn(install_guard, incident_log, triton_cache,
+                                                                         monkeypatch):
+    """CPython 3.11's ``ast.parse`` can raise ``SystemError: AST constructor recursion depth mismatch`` while
+    another thread parses (cpython gh-106905; seen here under load): Triton parses the kernel's called
+    functions in each compile thread. The thread failed, not the candidate: it is compiled again in turn."""
+    import ast
+
+    pytest.importorskip("triton.runtime._async_compile", reason="Triton 3.4 has no AsyncCompileMode: compiles in turn")
+    parse, failed = ast.parse, []
+
+    def racing_parse(*args, **kwargs):
+        if threading.current_thread().name.startswith("smemguard-compile") and not failed:
+            failed.append(threading.current_thread().name)
+            raise SystemError("AST constructor recursion depth mismatch (before=84, after=123)")
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", racing_parse)
+    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2), config(64, 128, 32, 3)]
+    tuned, (a, b, c) = tuned_elsewhere(configs)
+    install_guard()
+    with fake_gpu(90, max_shared=65536, cache_dir=f"{triton_cache}-parse-race"):
+        tuned[tiled_grid(256, 256)](*matmul_args(a, b, c))
+    (record,) = records(incident_log)
+    assert failed, "one compile thread met the interpreter's error"
+    assert record["compiles"] == 3 and all(attempt["fits"] for attempt in record["attempts"][1:]), record
 
 
 def test_stages_that_do_not_lower_the_bytes_stop_the_ladder(install_guard, incident_log, triton_cache):

@@ -70,11 +70,13 @@ class PatchContext:
     """What a patch may use: the settings it was installed with and the engine's entry points."""
 
     settings: Any  # smemguard.settings.Settings
-    #: (kernel, grid, args, kwargs, error) -> what the launch returns, or raises
+    #: (kernel, grid, args, kwargs, error, again) -> what the launch returns, or raises; ``again()`` runs the
+    #: launch once more as it was asked
     on_out_of_resources: Callable[..., Any]
-    #: (jit, its ASTSource, device, Triton's parsed options) -> option overrides remembered for that compile
-    #: ({"num_stages": 3}) or None
-    remembered_options: Callable[..., Any]
+    #: (jit, its ASTSource, device, Triton's parsed options, launching=) -> option overrides remembered for that
+    #: compile ({"num_stages": 3}) or None; raises the OutOfResources of a variant stored as overflowing where
+    #: compiling it gains nothing
+    remembered_compile: Callable[..., Any]
     #: (kernel, grid, args, kwargs, compiled) -> the compiled kernel that will run (a replacement when it did not fit)
     on_warmup: Callable[..., Any]
     #: (Inductor's CachingAutotuner, the error its load raised, the configs it had compiled) -> True when

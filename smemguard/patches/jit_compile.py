@@ -1,18 +1,24 @@
 """Remembered decisions at compile time: wraps ``triton.runtime.jit.JITFunction._do_compile``.
 
-Why: when another process (or an earlier run) learned that a compiled variant overflows this
-GPU and that fewer stages (or warps) fit, compiling the failing variant first is wasted
-seconds and a wasted exception. ``_do_compile`` runs only on a JIT cache miss, with the key
-the variant will be cached under, what it compiles (signature, constants, attributes) and Triton's
-parsed options; the wrapper keys the variant as recovery does (:func:`smemguard.decisions.variant_id`),
-swaps in the remembered options (``context.remembered_options``), and lowers the kernel's pipeline-depth
-parameters with them (:mod:`smemguard.knobs`), so the replacement is compiled and
-cached under the original key and every launch of that variant runs it. Launches never pass
-through here once cached.
+Why: when another process (or an earlier run, or ``smemguard check --decisions``) learned that a
+compiled variant overflows this GPU, compiling it first is wasted seconds and a wasted exception.
+``_do_compile`` runs only on a JIT cache miss, with the key the variant will be cached under, what
+it compiles (signature, constants, attributes) and Triton's parsed options; the wrapper keys the
+variant as recovery does (:func:`smemguard.decisions.variant_id`) and asks the decision cache
+(``context.remembered_compile``, :func:`smemguard.recall.remembered_compile`):
 
-Not applied inside the autotuner's benchmarking (``Autotuner._bench``): there an overflowing
-config must still fail, so that the autotuner never prefers it. Not applied in observe mode
-(it changes what is compiled), nor without a decision cache (``SMEMGUARD_CACHE_DIR=off``).
+* fewer stages (or warps) fit: the remembered options are swapped in, and the kernel's
+  pipeline-depth parameters lowered with them (:mod:`smemguard.knobs`), so the replacement is
+  compiled and cached under the original key and every launch of that variant runs it. Not inside
+  the autotuner's benchmarking (``Autotuner._bench``): there an overflowing config must fail, so
+  that the autotuner never prefers it;
+* another config of the tuner fits (or the autotuner is benchmarking the variant): the
+  ``OutOfResources`` the variant's launch would raise is raised before compiling it. The
+  autotuner's benchmark counts it as a failed config, as it would; the launch guard switches the
+  tuner to the stored config (:func:`smemguard.recovery.handle`).
+
+Launches never pass through here once cached. Not applied in observe mode (it changes what is
+compiled), nor without a decision cache (``SMEMGUARD_CACHE_DIR=off``).
 
 Checked against Triton 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
 ``_do_compile(self, key, signature, device, constexprs, options, attrs, warmup)``, with
@@ -39,7 +45,7 @@ OBSERVE_SAFE = False  # compiles remembered replacements instead of what was ask
 
 _LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")
 
-_remembered_options = None  # (jit, source, device, options) -> {"num_stages": 3} | None
+_remembered_compile = None  # (jit, source, device, options, launching=) -> {"num_stages": 3} | None, or raises
 
 
 def applies(settings) -> bool:
@@ -47,18 +53,20 @@ def applies(settings) -> bool:
 
 
 def _arguments(key, signature, device, constexprs, options, attrs, warmup):
-    return key, signature, device, constexprs, options, attrs
+    return key, signature, device, constexprs, options, attrs, warmup
 
 
 def _compile_remembered(wrapped, instance, args, kwargs):
     override = None
-    if _remembered_options is not None and not runtime.benchmarking():
+    if _remembered_compile is not None:
+        from triton.runtime.errors import OutOfResources
+
         try:
             from triton.compiler.compiler import ASTSource
 
-            key, signature, device, constexprs, options, attrs = _arguments(*args, **kwargs)
-            override = _remembered_options(instance, ASTSource(instance, signature, constexprs, attrs), device,
-                                           options)
+            key, signature, device, constexprs, options, attrs, warmup = _arguments(*args, **kwargs)
+            override = _remembered_compile(instance, ASTSource(instance, signature, constexprs, attrs), device,
+                                           options, launching=not warmup)
             if override:
                 replaced = dataclasses.replace(options, **override)
                 # A pipeline-depth parameter is lowered with the option, as recovery compiled it.
@@ -71,6 +79,8 @@ def _compile_remembered(wrapped, instance, args, kwargs):
                     kwargs = {**kwargs, "constexprs": lowered}
                 else:
                     args = (*args[:3], lowered, *args[4:])
+        except OutOfResources:  # the variant is stored as overflowing: refused before compiling, as it would fail
+            raise
         except Exception:  # a lookup problem must never stop a compile
             log.debug("smemguard: remembered options not applied", exc_info=True)
             override = None
@@ -81,15 +91,15 @@ def _compile_remembered(wrapped, instance, args, kwargs):
 
 
 def patch(context) -> None:
-    global _remembered_options
-    _remembered_options = context.remembered_options
+    global _remembered_compile
+    _remembered_compile = context.remembered_compile
     _LAYER.add(wrapt_layer(_compile_remembered))
 
 
 def unpatch() -> None:
-    global _remembered_options
+    global _remembered_compile
     _LAYER.remove()
-    _remembered_options = None
+    _remembered_compile = None
 
 
 def is_patched() -> bool:

@@ -3,8 +3,8 @@
 Why: ``kernel[grid](*args)`` is how JIT functions, autotuners and heuristics are launched;
 ``__getitem__`` returns a small closure that calls ``kernel.run(grid=grid, warmup=False, ...)``.
 Our closure is the same call inside a ``try``, whose ``except OutOfResources`` hands the
-failed launch (kernel object, grid, arguments) to the engine (``context.on_out_of_resources``,
-:func:`smemguard.recovery.handle`). The error is raised on the host before anything is
+failed launch (kernel object, grid, arguments, and a way to run it again as asked) to the engine
+(``context.on_out_of_resources``, :func:`smemguard.recovery.handle`). The error is raised on the host before anything is
 enqueued (``CompiledKernel._init_handles``), so the launch can be retried with the same buffers.
 
 Why not a wrapt wrapper here, unlike the other patches: this sits on every kernel launch,
@@ -22,6 +22,8 @@ defined once, on ``KernelInterface``, and no subclass in Triton overrides it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from . import TRITON, Layer, bound
 
@@ -51,7 +53,8 @@ def _guarded_getitem(out_of_resources, on_out_of_resources, triton_getitem):
                     try:
                         return self.run(grid=grid, warmup=False, *args, **kwargs)
                     except out_of_resources as error:
-                        return on_out_of_resources(self, grid, args, kwargs, error)
+                        again = functools.partial(self.run, *args, grid=grid, warmup=False, **kwargs)
+                        return on_out_of_resources(self, grid, args, kwargs, error, again)
 
                 return launch
 
@@ -64,7 +67,8 @@ def _guarded_getitem(out_of_resources, on_out_of_resources, triton_getitem):
                 try:
                     return launcher(*args, **kwargs)
                 except out_of_resources as error:
-                    return on_out_of_resources(self, grid, args, kwargs, error)
+                    return on_out_of_resources(self, grid, args, kwargs, error, functools.partial(launcher, *args,
+                                                                                                  **kwargs))
 
             return launch
 

@@ -9,7 +9,8 @@ compiles it for the GPU's arch and its own check rejects it; recovery's ladder
 (:func:`smemguard.ladder.decide`) compiles candidates as at run time, and the decision is keyed as
 recovery keys it (:func:`smemguard.decisions.cases_for`: by what was compiled, not by how the launch
 spelled it). A host that imports the file compiles a fewer-stage (or fewer-warp) variant directly,
-and switches a tuner from the config to the stored one at its first launch without trying others.
+and switches a tuner from the config to the stored one at its first launch without compiling the config
+or trying others.
 
 Written: fewer stages or warps, and another config of the kernel's list (for any tuning key whose
 config in force is this one; recall checks that the launch allows it). Not written: the fallback and
@@ -122,7 +123,7 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
         what = "run the registered fallback" if decision.action == FALLBACK else f"re-raise ({decision.reason})"
         raise NotDecided(f"recovery would {what} here; that holds for one tuning key only, so it is not written")
     case = decisions.cases_for(launch, failing)[decisions.case_name(decision)]
-    table, entry = decisions.entry_of(decision, case, f"{gpu.name} (smemguard check)")
+    table, entry = decisions.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
     return table, decisions.case_id(case), entry
 
 
