@@ -161,8 +161,8 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("targets", nargs="*", metavar="TARGET",
-                        help="a module (pkg.kernels), a kernel in one (pkg.kernels:matmul), or a file (kernels.py, "
-                             "kernels.py:matmul)")
+                        help="a module (pkg.kernels), a package (pkg: the kernels each of its modules defines), a "
+                             "kernel in a module (pkg.kernels:matmul), or a file (kernels.py, kernels.py:matmul)")
     parser.add_argument("--examples", action="store_true", help="also check smemguard's example kernels")
     parser.add_argument("--gpu", action="append", required=True, metavar="GPU[,GPU...]",
                         help="GPUs to check against, by name or alias from 'smemguard gpus' (L4, A100, H100, ...)")

@@ -391,3 +391,37 @@ def test_a_warm_cache_gives_the_cold_runs_verdicts(results):
     assert warm.compiles == 0 and warm.cache_hits == cold.compiles
     assert {key: verdict.verdict for key, verdict in warm.verdicts.items()} == \
         {key: verdict.verdict for key, verdict in cold.verdicts.items()}
+
+
+SCALE_ROWS = """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def {name}(X, Out, n_cols, BLOCK: tl.constexpr = 256):
+        cols = tl.arange(0, BLOCK)
+        tl.store(Out + cols, tl.load(X + cols, mask=cols < n_cols), mask=cols < n_cols)
+"""
+
+
+def test_a_package_is_checked_module_by_module(tmp_path, monkeypatch, caplog):
+    """vLLM keeps kernels in the modules of packages (``vllm.third_party.flash_linear_attention.ops``): naming
+    the package checks every kernel its modules define, once each (the package imports them too), and a
+    module that cannot be imported is skipped with one line."""
+    package = tmp_path / "kernel_pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .rows import scale_rows\n")
+    (package / "rows.py").write_text(textwrap.dedent(SCALE_ROWS.format(name="scale_rows")))
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "cols.py").write_text("from ..rows import scale_rows\n"
+                                             + textwrap.dedent(SCALE_ROWS.format(name="scale_cols")))
+    (package / "needs_a_gpu.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    (tmp_path / "empty_pkg").mkdir()
+    (tmp_path / "empty_pkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="smemguard"):
+        kernels = preflight.discover(["kernel_pkg"])
+    assert sorted(kernel.name for kernel in kernels) == ["kernel_pkg.rows:scale_rows", "kernel_pkg.sub.cols:scale_cols"]
+    assert "skipping kernel_pkg.needs_a_gpu: it cannot be imported (ImportError: libcuda.so.1" in caplog.text
+    with pytest.raises(preflight.TargetError, match="'empty_pkg' defines no Triton kernel, nor does any module"):
+        preflight.discover(["empty_pkg"])

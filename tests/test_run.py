@@ -123,6 +123,22 @@ def test_the_program_keeps_its_input_output_exit_status_and_signals(tmp_path):
     assert finished(process)[0] == -signal.SIGTERM
 
 
+def test_a_process_is_guarded_from_its_triton_import_on_and_pays_nothing_before(tmp_path):
+    """smemguard is imported at Triton's import, not at start-up: a process that never imports Triton (a tool,
+    a data loader) pays nothing for it; one that does is guarded before its next line."""
+    program = script(tmp_path, """
+        import sys
+        before = "smemguard" in sys.modules or "wrapt" in sys.modules
+        import triton
+        import smemguard
+        from smemguard.patches import kernel_interface
+        print(before, smemguard.is_installed(), kernel_interface.is_patched())
+    """)
+    status, out, err = finished(smemguard_run(sys.executable, program, **PIPES))
+    assert (status, err) == (0, "")
+    assert out == "False True True\n"
+
+
 BROKEN_PACKAGE = "raise RuntimeError('broken on purpose')\n"
 
 

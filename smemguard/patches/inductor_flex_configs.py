@@ -22,6 +22,20 @@ within FlexAttention's own tolerances, not bitwise the same (the softmax adds in
 warning and one incident record (``action: "tiles_reduced"``, ``phase: "compile"``) per (pass, head dim,
 dtype, device, limit).
 
+Why a wrapper on the heuristic rather than Inductor's choices hook (``V.set_choices_handler``,
+``config.inductor_choices_class``): that hook is one global slot, which vLLM and others set to their own
+class; a second setter replaces the first. The wrapper sits on the heuristic every choices class ends up
+asking, so it composes with whichever handler is installed.
+
+Inductor's matmul templates are not resized here. Their tiles are also rendered into the source, but
+they are used only under max-autotune, where Inductor compiles and benchmarks every choice: a template
+kernel loads through ``CachingAutotuner`` like any other (the launcher patch lowers its stages when it
+overflows), and a choice that still raises ``OutOfResources`` is dropped ("Ignoring this choice",
+``select_algorithm.py``, torch 2.13), with ATen's mm among the choices by default, so no graph fails for
+it. Inductor's own shared-memory pruning of mm configs (``max_autotune_prune_choices_based_on_shared_mem``,
+off by default) reads the device's real limit: under an emulated limit it prunes as the big GPU would, and
+the emulated limit still holds at the load. (Read in the source; not measured on a GPU.)
+
 Inductor's FX graph cache keys a compiled graph by the device's name, not by a limit: under
 ``SMEMGUARD_MAX_SHARED`` the ``inductor_cache_key`` patch gives the emulated GPU keys of its own.
 

@@ -136,18 +136,14 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
                                   "(@triton.jit, triton.autotune or triton.heuristics)")
             found.append((f"{label}:{attribute}", module, attribute, file, obj, True))
             continue
-        in_module = [(name, obj) for name, obj in vars(module).items() if _is_kernel(obj)]
-        if not in_module:
-            raise TargetError(f"{target!r} defines no Triton kernel")
-        hints = getattr(module, "SMEMGUARD_PREFLIGHT", {})
-        wrapped = {id(_innermost(obj)[0]) for _, obj in in_module if not isinstance(obj, _triton_classes()[0])}
-        seen: set[int] = set()
-        for name, obj in in_module:
-            # A JIT function an autotuner of the same module wraps is checked through it, with its configs.
-            if id(obj) in seen or (id(obj) in wrapped and name not in hints):
-                continue
-            seen.add(id(obj))
-            found.append((f"{label}:{name}", module, name, file, obj, False))
+        before = len(found)
+        package = hasattr(module, "__path__") and file is None
+        # A package: the kernels each of its modules defines (they import each other's).
+        for member in [module, *_package_modules(module)] if package else [module]:
+            found.extend(_module_kernels(member, member.__name__ if package else label, file, defined_here=package))
+        if len(found) == before:
+            raise TargetError(f"{target!r} defines no Triton kernel" + (", nor does any module of the package"
+                                                                       if package else ""))
 
     kernels = []
     for name, module, attribute, file, obj, explicit in found:
@@ -167,6 +163,43 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
     if not kernels:
         raise TargetError("no kernel to check: the kernels found need --meta to give their constexprs")
     return kernels
+
+
+def _module_kernels(module: ModuleType, label: str, file: str | None, defined_here: bool) -> list[tuple]:
+    """(name, module, attribute, file, kernel, False) for the kernels in ``module``'s namespace (with
+    ``defined_here``, only those whose function it defines: a package's modules import each other's)."""
+    in_module = [(name, obj) for name, obj in vars(module).items() if _is_kernel(obj)
+                 and (not defined_here or getattr(_innermost(obj)[0], "__module__", None) == module.__name__)]
+    hints = getattr(module, "SMEMGUARD_PREFLIGHT", {})
+    wrapped = {id(_innermost(obj)[0]) for _, obj in in_module if not isinstance(obj, _triton_classes()[0])}
+    seen: set[int] = set()
+    found = []
+    for name, obj in in_module:
+        # A JIT function an autotuner of the same module wraps is checked through it, with its configs.
+        if id(obj) in seen or (id(obj) in wrapped and name not in hints):
+            continue
+        seen.add(id(obj))
+        found.append((f"{label}:{name}", module, name, file, obj, False))
+    return found
+
+
+def _package_modules(package: ModuleType) -> list[ModuleType]:
+    """Every module of ``package``, its subpackages' too, in name order. One that cannot be imported is
+    skipped with one warning line: the package was named, not that module."""
+    import pkgutil
+
+    def unreadable(name: str) -> None:
+        log.warning("smemguard check: skipping %s: it cannot be imported", name)
+
+    modules = []
+    for info in sorted(pkgutil.walk_packages(package.__path__, f"{package.__name__}.", onerror=unreadable),
+                       key=lambda info: info.name):
+        try:
+            modules.append(importlib.import_module(info.name))
+        except Exception as error:
+            log.warning("smemguard check: skipping %s: it cannot be imported (%s)", info.name,
+                        introspect.error_summary(error))
+    return modules
 
 
 def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKernel | None:
