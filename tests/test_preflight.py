@@ -406,8 +406,8 @@ SCALE_ROWS = """
 
 def test_a_package_is_checked_module_by_module(tmp_path, monkeypatch, caplog):
     """vLLM keeps kernels in the modules of packages (``vllm.third_party.flash_linear_attention.ops``): naming
-    the package checks every kernel its modules define, once each (the package imports them too), and a
-    module that cannot be imported is skipped with one line."""
+    the package checks every kernel its modules define, once each (the package imports them too), not the
+    device functions they call, and a module that cannot be imported is skipped with one line."""
     package = tmp_path / "kernel_pkg"
     (package / "sub").mkdir(parents=True)
     (package / "__init__.py").write_text("from .rows import scale_rows\n")
@@ -416,6 +416,14 @@ def test_a_package_is_checked_module_by_module(tmp_path, monkeypatch, caplog):
     (package / "sub" / "cols.py").write_text("from ..rows import scale_rows\n"
                                              + textwrap.dedent(SCALE_ROWS.format(name="scale_cols")))
     (package / "needs_a_gpu.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    (package / "helpers.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def fast_exp(x):
+            return tl.math.exp2(x * 1.4426950408889634)
+    """))
     (tmp_path / "empty_pkg").mkdir()
     (tmp_path / "empty_pkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -425,3 +433,6 @@ def test_a_package_is_checked_module_by_module(tmp_path, monkeypatch, caplog):
     assert "skipping kernel_pkg.needs_a_gpu: it cannot be imported (ImportError: libcuda.so.1" in caplog.text
     with pytest.raises(preflight.TargetError, match="'empty_pkg' defines no Triton kernel, nor does any module"):
         preflight.discover(["empty_pkg"])
+    # a device function (vLLM's fast_exp): kernels call it, nothing launches it; not compiled as a kernel
+    with pytest.raises(preflight.TargetError, match="is a device function .it returns a value."):
+        preflight.discover(["kernel_pkg.helpers:fast_exp"])

@@ -3,6 +3,7 @@ specializations, and the same JIT function again in a worker process."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import importlib
@@ -11,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
@@ -35,6 +37,25 @@ def _triton_classes():
 
 def _is_kernel(obj) -> bool:
     return isinstance(obj, _triton_classes())
+
+
+def is_device_function(obj) -> bool:
+    """Whether ``obj`` is a ``@triton.jit`` function that returns a value: a device function that kernels
+    call (vLLM's ``fast_exp``, ``softplus``), never launched (a kernel returns nothing)."""
+    if type(obj) is not _triton_classes()[0]:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(obj.src))
+    except Exception:  # unreadable source: treated as a kernel, and its compile says what it is
+        return False
+    pending = list(tree.body[0].body) if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Return) and node.value is not None:
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _load_file(path: Path) -> ModuleType:
@@ -134,6 +155,9 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
             if not _is_kernel(obj):
                 raise TargetError(f"{target!r} is a {type(obj).__name__}, not a Triton kernel "
                                   "(@triton.jit, triton.autotune or triton.heuristics)")
+            if is_device_function(obj):
+                raise TargetError(f"{target!r} is a device function (it returns a value): kernels call it, nothing "
+                                  "launches it; check the kernels that call it")
             found.append((f"{label}:{attribute}", module, attribute, file, obj, True))
             continue
         before = len(found)
@@ -168,7 +192,7 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
 def _module_kernels(module: ModuleType, label: str, file: str | None, defined_here: bool) -> list[tuple]:
     """(name, module, attribute, file, kernel, False) for the kernels in ``module``'s namespace (with
     ``defined_here``, only those whose function it defines: a package's modules import each other's)."""
-    in_module = [(name, obj) for name, obj in vars(module).items() if _is_kernel(obj)
+    in_module = [(name, obj) for name, obj in vars(module).items() if _is_kernel(obj) and not is_device_function(obj)
                  and (not defined_here or getattr(_innermost(obj)[0], "__module__", None) == module.__name__)]
     hints = getattr(module, "SMEMGUARD_PREFLIGHT", {})
     wrapped = {id(_innermost(obj)[0]) for _, obj in in_module if not isinstance(obj, _triton_classes()[0])}
