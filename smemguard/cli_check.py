@@ -61,7 +61,8 @@ examples:
 what the check needs to know (guessed, or given):
   argument types   pointers are found in the source (loaded from / stored to, or named *ptr) and
                    get --dtype; other arguments are i32. --sig NAME=TYPE,... fixes a guess
-                   (TYPE: *fp16, *bf16, *fp32, i32, i64, fp32).
+                   (TYPE: *fp16, *bf16, *fp32, i32, i64, fp32, or none for an argument every
+                   launch passes as None, an optional tensor left out).
   strides of 1     the innermost stride of a contiguous tensor is 1 in every launch, which Triton
                    compiles as a constant (vectorized, pipelined loads: more shared memory). Read
                    from the source: the integer argument multiplying a tensor's last-axis offset

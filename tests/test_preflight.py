@@ -436,3 +436,30 @@ def test_a_package_is_checked_module_by_module(tmp_path, monkeypatch, caplog):
     # a device function (vLLM's fast_exp): kernels call it, nothing launches it; not compiled as a kernel
     with pytest.raises(preflight.TargetError, match="is a device function .it returns a value."):
         preflight.discover(["kernel_pkg.helpers:fast_exp"])
+
+
+def test_an_argument_every_launch_passes_as_none(tmp_path):
+    """``--sig b=none``: an optional tensor the launch leaves out (vLLM's FLA passes ``gk=None``) is compiled as
+    Triton compiles a None argument, a constant, and heuristics see None, so the variant is the launch's."""
+    source = tmp_path / "optional_ops.py"
+    source.write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.heuristics({"HAS_B": lambda args: args["b"] is not None})
+        @triton.jit
+        def add_optional(X, b, Out, n, BLOCK: tl.constexpr = 64, HAS_B: tl.constexpr = False):
+            cols = tl.arange(0, BLOCK)
+            x = tl.load(X + cols, mask=cols < n)
+            if HAS_B:
+                x += tl.load(b + cols, mask=cols < n)
+            tl.store(Out + cols, x, mask=cols < n)
+    """))
+    [given] = preflight.discover([str(source)], overrides={"signature": {"b": "none"}})
+    [guessed] = preflight.discover([str(source)])
+    requests = {name: preflight.build_request(kernel, kernel.variants[0], kernel.specializations[0], 89)
+                for name, kernel in (("given", given), ("guessed", guessed))}
+    assert (requests["given"].signature["b"], requests["given"].constants["b"]) == ("constexpr", None)
+    assert requests["given"].constants["HAS_B"] is False and requests["guessed"].constants["HAS_B"] is True
+    report = preflight.check([given], [L4], jobs=1, cache=preflight.ResultCache(None))
+    assert {v.verdict for v in report.verdicts.values()} == {preflight.FITS}

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import gpus, introspect, runtime
 from .discovery import jit_from_locator
-from .model import ELEMENT_BYTES, INT_TYPES, CheckedKernel, Specialization, Variant
+from .model import ELEMENT_BYTES, INT_TYPES, NONE, CheckedKernel, Specialization, Variant
 
 
 @dataclass
@@ -83,6 +83,8 @@ def _heuristic_values(kernel: CheckedKernel, values: dict, spec: Specialization,
             named[name] = _StandInPointer(ty[1:], spec.aligned)
         elif ty in INT_TYPES:
             named[name] = 1 if name in ones else HEURISTIC_SIZE[spec.aligned]
+        elif ty == NONE:
+            named[name] = None
         else:
             named[name] = 1.0
     named.update(values)
@@ -123,6 +125,9 @@ def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization,
             signature[name], constants[name] = "constexpr", values[name]
             continue
         ty = kernel.types[name]
+        if ty == NONE:  # as Triton specializes a None argument
+            signature[name], constants[name] = "constexpr", None
+            continue
         if name in ones and ty in INT_TYPES and not param.do_not_specialize:
             signature[name], constants[name] = "constexpr", 1
             continue

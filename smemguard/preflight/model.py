@@ -29,6 +29,9 @@ ESTIMATED = "estimated"
 
 #: Integer types Triton's launcher marks as divisible by 16 and turns into a constant when 1.
 INT_TYPES = ("i32", "i64", "u32", "u64")
+#: The type of an argument every launch passes as ``None`` (an optional tensor left out): Triton compiles it as a
+#: constant, and heuristics see ``None``.
+NONE = "none"
 
 
 class TargetError(ValueError):
