@@ -11,11 +11,8 @@ recovered as if nothing were stored.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 from pathlib import Path
-from typing import Iterator
 
 from . import decisions, incidents, introspect, ladder, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
@@ -50,17 +47,17 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     variant is stored as overflowing and compiling it gains nothing: inside the autotuner's
     benchmark (which must see it fail, and does) and, when ``launching``, for a variant whose tuner
     switches to another config (:func:`switch` applies it at the launch guard). Never while
-    :func:`compiling_as_asked`.
+    :data:`compiling_as_asked`.
     """
     store = decisions.store(directory)
-    if store is None or getattr(_as_asked, "depth", 0) or not (store.holds("compile") or store.holds("launch")):
+    if store is None or compiling_as_asked or not (store.holds("compile") or store.holds("launch")):
         return None
     key = decisions.case_id(decisions.device_case(jit, decisions.variant_id(source, options.__dict__), device))
     table, entry = next(((table, entry) for table in ("compile", "launch")
                          if (entry := store.get(table, key)) is not None), (None, None))
     if entry is None:
         return None
-    benchmarking = runtime.benchmarking()
+    benchmarking = bool(runtime.benchmarking)
     if table == "compile" and not benchmarking:
         why = options_problem(entry["options"], options.num_stages, options.num_warps,
                               getattr(options, "warp_size", 32))
@@ -77,17 +74,8 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
 #: The resource a refused variant is refused for: the limit of the stored case is the shared memory's.
 SHARED = "shared memory"
 
-_as_asked = threading.local()
-
-
-@contextlib.contextmanager
-def compiling_as_asked() -> Iterator[None]:
-    """In this block (this thread) every variant is compiled as asked, none refused before compiling."""
-    _as_asked.depth = getattr(_as_asked, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _as_asked.depth -= 1
+#: Set while every variant is compiled as asked, none refused before compiling (:func:`smemguard.recovery.handle`).
+compiling_as_asked = runtime.ThreadFlag()
 
 
 def _refused(key: str, entry: dict):

@@ -218,7 +218,7 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stor
     if decision is not None:
         return with_config(launch, decision.config).relaunch()
     try:
-        with recall.compiling_as_asked():
+        with recall.compiling_as_asked.scope():
             return again()
     except OutOfResources as real:
         real_error = real

@@ -24,7 +24,6 @@ _emulated_limit: int | None = None
 # tuning layer -> {tuning key -> {config -> median ms}}
 _timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _timings_lock = threading.Lock()
-_benchmarking = threading.local()
 
 
 @contextlib.contextmanager
@@ -157,19 +156,26 @@ def drop_replacements() -> int:
 # -- autotuner timings ----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def benchmarking_scope() -> Iterator[None]:
-    """Marks this thread as inside ``Autotuner._bench`` while the block runs."""
-    _benchmarking.depth = getattr(_benchmarking, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _benchmarking.depth -= 1
+class ThreadFlag:
+    """Set for the calling thread while a ``with flag.scope():`` block runs (blocks may nest)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
 
 
-def benchmarking() -> bool:
-    """True while this thread is inside ``Autotuner._bench``: nothing may be changed there."""
-    return getattr(_benchmarking, "depth", 0) > 0
+#: Set inside ``Autotuner._bench``: nothing may be changed there (``patches/autotuner_bench``).
+benchmarking = ThreadFlag()
 
 
 def note_timing(tuner, key: tuple, config, median_ms: float) -> None:

@@ -39,7 +39,7 @@ def applies(settings) -> bool:
 
 
 def _record(wrapped, instance, args, kwargs):
-    with runtime.benchmarking_scope():
+    with runtime.benchmarking.scope():
         result = wrapped(*args, **kwargs)
     try:
         median = result[0] if isinstance(result, (list, tuple)) else result
