@@ -213,6 +213,15 @@ def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
     return show
 
 
+def _show_decided(event) -> None:
+    """A line on stderr per overflowing config decided (each is a stand-in launch and recovery's ladder: seconds)."""
+    rate = event.done / event.elapsed if event.elapsed > 0 else 0.0
+    left = f", ~{_duration((event.planned - event.done) / rate)} left" if rate and event.done < event.planned else ""
+    print(f"smemguard check: deciding [{event.done}/{event.planned}] {event.gpu} {event.kernel.rsplit(':', 1)[-1]} "
+          f"{event.config} {event.spec}: {event.outcome} ({event.seconds:.1f} s; {event.elapsed:.0f} s elapsed{left})",
+          file=sys.stderr, flush=True)
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
@@ -240,7 +249,7 @@ def run_check(args) -> int:
     cache = ResultCache(None) if args.no_cache else preflight.default_cache()
     report = check(kernels, gpu_list, exact=args.exact, jobs=args.jobs, cache=cache,
                    progress=None if args.quiet else _progress_printer())
-    if args.decisions and not _write_decisions(report, args.decisions, cache):
+    if args.decisions and not _write_decisions(report, args.decisions, cache, quiet=args.quiet):
         return 2
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -271,13 +280,14 @@ def _unwritable(path: Path) -> str | None:
     return None
 
 
-def _write_decisions(report, path: Path, cache) -> bool:
+def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
     """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
     the file could not be written."""
     from . import files, untrusted
     from .preflight.decide import decide
 
-    found = decide(report, cache.directory / "triton" if cache.directory is not None else None)
+    found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
+                   progress=None if quiet else _show_decided)
     try:
         files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
     except OSError as error:

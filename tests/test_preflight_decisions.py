@@ -166,6 +166,17 @@ def test_the_example_attention_round_trip(tmp_path, monkeypatch, install_guard, 
     assert_compiled_directly(ran, compiled, incidents)
 
 
+def test_deciding_shows_progress_unless_quiet(tmp_path, monkeypatch, capsys):
+    """Each decision is a stand-in launch and recovery's ladder (seconds each): a line per config on stderr."""
+    monkeypatch.setattr(preflight, "default_cache", lambda: ResultCache(None))
+    path = tmp_path / "decisions.json"
+    assert cli.main(["check", "preflight_fixed_kernels:matmul_kernel", "--gpu", "L4", "--decisions", str(path),
+                     "--jobs", "1"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("smemguard check: deciding [")]
+    assert lines and "L4 matmul_kernel" in lines[-1] and "stages_reduced (num_stages=" in lines[-1], lines
+    assert lines[-1].startswith(f"smemguard check: deciding [{len(lines)}/{len(lines)}]")
+
+
 @pytest.mark.parametrize("make, problem", [
     (lambda tmp: tmp, "is a directory"),
     (lambda tmp: (os.mkfifo(tmp / "pipe"), tmp / "pipe")[1], "not a regular file"),

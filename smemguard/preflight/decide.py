@@ -22,9 +22,10 @@ tuner's benchmark, the file holds the one it prefers untimed (the first that fit
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .. import decisions, gpus, introspect, ladder, layers
 from ..decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
@@ -54,12 +55,28 @@ class Decisions:
         return sum(len(self.data[table]) for table in decisions.KINDS)
 
 
-def decide(report: Report, triton_cache: Path | None = None) -> Decisions:
+@dataclass
+class Decided:
+    """Progress of :func:`decide`: one overflowing config decided (or not) on one GPU."""
+
+    done: int
+    planned: int
+    gpu: str
+    kernel: str
+    config: str
+    spec: str
+    outcome: str  # the decision's final config, or why there is none
+    seconds: float
+    elapsed: float
+
+
+def decide(report: Report, triton_cache: Path | None = None,
+           progress: Callable[[Decided], None] | None = None) -> Decisions:
     """The decisions for every overflow ``report`` found, one stand-in GPU at a time. GPUs of one arch
     and limit share their entries (the keys are the same); ``triton_cache`` keeps the stand-in's
-    compiles for the next run (a fresh temporary directory when None)."""
+    compiles for the next run (a fresh temporary directory when None); ``progress`` hears of each."""
     found = Decisions()
-    done: set[tuple] = set()
+    plans, done = [], set()
     for gpu in report.checked_gpus():
         if (gpu.target_arch, gpu.max_shared) in done:
             continue
@@ -67,47 +84,65 @@ def decide(report: Report, triton_cache: Path | None = None) -> Decisions:
         overflowing = [(k, v, spec) for k, kernel in enumerate(report.kernels) for v in range(len(kernel.variants))
                        for spec in kernel.specializations
                        if report.verdict(k, v, spec.name, gpu.name).verdict == OVERFLOWS]
-        if not overflowing:
-            continue
+        if overflowing:
+            plans.append((gpu, overflowing))
+    counter = _Counter(sum(len(overflowing) for _, overflowing in plans), progress)
+    for gpu, overflowing in plans:
         try:
-            _decide_on(gpu, overflowing, report, found, triton_cache)
+            _decide_on(gpu, overflowing, report, found, triton_cache, counter)
         except Exception as error:  # the stand-in GPU itself could not be set up
             found.notes.append(f"the {len(overflowing)} overflowing configs on {gpu.name}: not decided "
                                f"({introspect.error_summary(error)})")
     return found
 
 
-def _decide_on(gpu: gpus.Gpu, overflowing: list, report: Report, found: Decisions, triton_cache: Path | None) -> None:
+@dataclass
+class _Counter:
+    planned: int
+    progress: Callable[[Decided], None] | None
+    done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def tell(self, gpu: gpus.Gpu, kernel: CheckedKernel, variant: Variant, spec: Specialization, outcome: str,
+             since: float) -> None:
+        self.done += 1
+        if self.progress is not None:
+            now = time.perf_counter()
+            self.progress(Decided(self.done, self.planned, gpu.name, kernel.name, variant.label(), spec.name, outcome,
+                                  now - since, now - self.started))
+
+
+def _decide_on(gpu: gpus.Gpu, overflowing: list, report: Report, found: Decisions, triton_cache: Path | None,
+               counter: _Counter) -> None:
     from ..testing import fake_gpu
 
     with fake_gpu(gpu.name, cache_dir=str(triton_cache) if triton_cache else None):
         for k, v, spec in overflowing:
             kernel, variant = report.kernels[k], report.kernels[k].variants[v]
+            since = time.perf_counter()
             try:
                 measured = report.verdict(k, v, spec.name, gpu.name).shared
                 table, key, entry = _decide_one(kernel, variant, spec, gpu, measured)
             except NotDecided as why:
                 found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: {why}")
+                counter.tell(gpu, kernel, variant, spec, "no decision", since)
                 continue
             except Exception as error:  # the stand-in launch itself failed: say so, decide the others
                 found.notes.append(f"{kernel.name} {variant.label()} [{spec.name}] on {gpu.name}: not decided "
                                    f"({introspect.error_summary(error)})")
+                counter.tell(gpu, kernel, variant, spec, "not decided", since)
                 continue
             found.data[table].setdefault(key, entry)
             found.decided += 1
+            counter.tell(gpu, kernel, variant, spec,
+                         f"{entry['action']} ({introspect.changes(entry['from_config'], entry['final'])})", since)
 
 
 def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, gpu: gpus.Gpu, measured: int | None):
     """(table, key, entry) of the decision recovery takes for ``variant`` launched in ``spec`` on ``gpu``
     (where the check compiled it to ``measured`` bytes; None when it estimated them)."""
-    request = build_request(kernel, variant, spec, gpu.target_arch)
-    args = [_stand_in(request.signature[p.name], request.constants.get(p.name), p.name in request.divisible)
-            for p in kernel.jit.params if not p.is_constexpr]
-    kwargs = dict(kernel.constants)
-    config = _tuner_config(kernel, variant)
-    if config is None:
-        kwargs.update({**dict(variant.constexprs), **variant.options()})
-    launch = resolve(kernel.launched, lambda meta: (1, 1, 1), tuple(args), kwargs, config=config)
+    args, kwargs, config = stand_in_launch(kernel, variant, spec, gpu)
+    launch = resolve(kernel.launched, stand_in_grid, args, kwargs, config=config)
     if launch is None:
         raise NotDecided(f"recovery does not retry a launch through {type(kernel.launched).__qualname__}")
     failing = launch.compile()
@@ -125,6 +160,26 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
     case = decisions.cases_for(launch, failing)[decisions.case_name(decision)]
     table, entry = decisions.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
     return table, decisions.case_id(case), entry
+
+
+def stand_in_grid(meta) -> tuple:
+    """The stand-in launch's grid: one program (nothing runs on a stand-in GPU), a callable of the
+    meta-parameters as a launch that lets its tiles change passes."""
+    return (1, 1, 1)
+
+
+def stand_in_launch(kernel: CheckedKernel, variant: Variant, spec: Specialization, gpu: gpus.Gpu) -> tuple:
+    """(args, kwargs, config) that launch ``kernel`` as the check compiled ``variant`` in ``spec`` for ``gpu``:
+    stand-in arguments of the specialization, and the config to put in force through the kernel's autotuner
+    (None for a kernel launched without one: then ``kwargs`` holds the variant's constexprs and options)."""
+    request = build_request(kernel, variant, spec, gpu.target_arch)
+    args = tuple(_stand_in(request.signature[p.name], request.constants.get(p.name), p.name in request.divisible)
+                 for p in kernel.jit.params if not p.is_constexpr)
+    kwargs = dict(kernel.constants)
+    config = _tuner_config(kernel, variant)
+    if config is None:
+        kwargs.update({**dict(variant.constexprs), **variant.options()})
+    return args, kwargs, config
 
 
 def _tuner_config(kernel: CheckedKernel, variant: Variant):
