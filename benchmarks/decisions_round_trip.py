@@ -67,13 +67,16 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", action="store_true", help="smemguard's example kernels (the default)")
     parser.add_argument("--gpu", default="L4,T4,MI300X", help="GPUs from 'smemguard gpus' (default: L4,T4,MI300X)")
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--decisions", type=Path, help="a file 'smemguard check --decisions' wrote for these targets "
+                                                       "and GPUs (default: run that check now)")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="smemguard-round-trip-"))
-    file = scratch / "decisions.json"
+    file = args.decisions or scratch / "decisions.json"
     targets = [*args.targets, *(["--examples"] if args.examples or not args.targets else [])]
-    status = cli.main(["check", *targets, "--gpu", args.gpu, "--decisions", str(file), "--quiet"])
-    if status not in (0, 1):
-        return status
+    if args.decisions is None:
+        status = cli.main(["check", *targets, "--gpu", args.gpu, "--decisions", str(file), "--quiet"])
+        if status not in (0, 1):
+            return status
     imported, empty = scratch / "imported", scratch / "empty"
     assert cli.main(["cache", "import", str(file), "--dir", str(imported)]) == 0
     empty.mkdir(mode=0o700)
