@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", action="store_true", help="smemguard's example kernels (the default)")
     parser.add_argument("--gpu", default="L4,T4,MI300X", help="GPUs from 'smemguard gpus' (default: L4,T4,MI300X)")
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--each", type=int, default=0, metavar="N",
+                        help="only the first N overflowing launches of each kernel on each GPU (default: all)")
     parser.add_argument("--decisions", type=Path, help="a file 'smemguard check --decisions' wrote for these targets "
                                                        "and GPUs (default: run that check now)")
     args = parser.parse_args(argv)
@@ -87,10 +89,14 @@ def main(argv=None) -> int:
     rows = []
     for gpu in report.checked_gpus():
         for k, kernel in enumerate(report.kernels):
+            taken = 0
             for v, variant in enumerate(kernel.variants):
                 for spec in kernel.specializations:
                     if report.verdict(k, v, spec.name, gpu.name).verdict != preflight.OVERFLOWS:
                         continue
+                    if args.each and taken == args.each:
+                        break
+                    taken += 1
                     row = {"gpu": gpu.name, "kernel": kernel.name, "config": variant.label(), "spec": spec.name,
                            "with": one_launch(kernel, variant, spec, gpu, imported, scratch),
                            "without": one_launch(kernel, variant, spec, gpu, empty, scratch)}
