@@ -116,9 +116,10 @@ def test_candidate_configs_compile_concurrently_and_decide_as_one_at_a_time(inst
         knobs.compilation.listener = listener
     (record,) = records(incident_log)
     assert record["compiles"] == 3 and all(attempt["fits"] for attempt in record["attempts"][1:]), record
-    # the failing compile ran in the launching thread, the three candidates in smemguard's workers
+    # the failing compile ran in the launching thread, the three candidates in smemguard's workers (one of them
+    # again in this thread if CPython 3.11's ast.parse race broke its worker: the next test)
     assert compiled_in[0] == threading.current_thread().name
-    assert len(compiled_in) == 4 and all(name.startswith("smemguard-compile") for name in compiled_in[1:])
+    assert len(compiled_in) == 4 and sum(name.startswith("smemguard-compile") for name in compiled_in[1:]) >= 2
     assert record["compile_ms"] <= sum(attempt["compile_ms"] for attempt in record["attempts"][1:])
 
 
