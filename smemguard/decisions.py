@@ -64,6 +64,8 @@ MAX_FILE = 8 * 2**20
 #: 1024 threads (32 warps of 32) per block.
 MAX_STAGES = 32
 MAX_WARPS = 32
+#: Bytes of shared memory (or threads) a stored variant may say it needed: far above any GPU's, below absurd.
+MAX_BYTES = 2**32
 
 
 def case_id(fields: dict) -> str:
@@ -120,10 +122,11 @@ _NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPT
 
 #: What the failing variant needed (absent from entries written before December 2026: such a variant is compiled
 #: and fails before the entry applies).
-_OVERFLOW = {"resource": TEXT, "required": integer(0)}
+_REQUIRED = Expect(f"an integer from 0 to {MAX_BYTES}", lambda value: integer(0).test(value) and value <= MAX_BYTES)
+_OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
 
 #: What a torch.compile entry holds: the variant's config, what did not fit, and the bytes it needed.
-_INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": integer(0)}
+_INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
 def entry_problems(kind: str, entry: Any) -> list[str]:

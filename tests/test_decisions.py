@@ -76,6 +76,17 @@ def test_unusable_directory_warns_once_and_keeps_decisions_in_memory(tmp_path, c
     assert "cannot use the decision cache" in line and "SMEMGUARD_CACHE_DIR" in line
 
 
+@pytest.mark.parametrize("overflow, usable", [
+    ({"resource": "shared memory", "required": 131072}, True), ({}, True),
+    ({"resource": "shared memory", "required": "lots"}, False), ({"resource": 7, "required": 131072}, False),
+    ({"resource": "shared memory", "required": 2**40}, False), ({"resource": "shared memory", "required": -1}, False)])
+def test_what_a_stored_variant_needed_is_checked_when_read(overflow, usable):
+    """``resource`` and ``required`` (from which a variant is refused before compiling) are optional, and bounded."""
+    entry = {"action": "config_changed", "config": {"kwargs": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 2,
+                                                    "num_ctas": 1, "maxnreg": None}, **overflow}
+    assert (decisions.entry_problems("launch", entry) == []) is usable
+
+
 def test_export_import_round_trip(tmp_path):
     source = decisions.Store(tmp_path / "a")
     source.put("compile", "x", stages(2))
