@@ -3,7 +3,6 @@ specializations, and the same JIT function again in a worker process."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import hashlib
 import importlib
@@ -12,7 +11,6 @@ import logging
 import os
 import re
 import sys
-import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
@@ -42,20 +40,7 @@ def _is_kernel(obj) -> bool:
 def is_device_function(obj) -> bool:
     """Whether ``obj`` is a ``@triton.jit`` function that returns a value: a device function that kernels
     call (vLLM's ``fast_exp``, ``softplus``), never launched (a kernel returns nothing)."""
-    if type(obj) is not _triton_classes()[0]:
-        return False
-    try:
-        tree = ast.parse(textwrap.dedent(obj.src))
-    except Exception:  # unreadable source: treated as a kernel, and its compile says what it is
-        return False
-    pending = list(tree.body[0].body) if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
-    while pending:
-        node = pending.pop()
-        if isinstance(node, ast.Return) and node.value is not None:
-            return True
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            pending.extend(ast.iter_child_nodes(node))
-    return False
+    return type(obj) is _triton_classes()[0] and source.returns_a_value(obj)
 
 
 def _load_file(path: Path) -> ModuleType:

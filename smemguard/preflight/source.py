@@ -101,6 +101,23 @@ def _parse(jit, parsed: dict[int, ast.AST]) -> ast.AST:
     return parsed[id(jit)]
 
 
+def returns_a_value(jit) -> bool:
+    """Whether the body of ``jit`` (not of functions defined in it) returns a value; False when its source
+    cannot be read (then its compile says what it is)."""
+    try:
+        tree = _parse(jit, {})
+    except Exception:
+        return False
+    pending = list(tree.body[0].body) if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Return) and node.value is not None:
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+    return False
+
+
 def _called_name(call: ast.Call) -> str:
     return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
 
