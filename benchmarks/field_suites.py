@@ -572,10 +572,12 @@ def parse_args(argv=None):
     parser.add_argument("--tuning-from-plain", action="store_true",
                         help="observe and on runs start from a copy of the plain run's FlagGems tuning")
     parser.add_argument("--tuning-dir", type=Path, metavar="DIR",
-                        help="with --tuning-from-plain: copy this FLAGGEMS_CACHE_DIR instead of this call's plain run's")
+                        help="with --tuning-from-plain: copy this FLAGGEMS_CACHE_DIR instead of this call's "
+                             "plain run's")
     parser.add_argument("--plain-from", type=Path, metavar="JSON",
                         help="take the plain runs of this earlier results file (with --modes observe,on)")
-    parser.add_argument("--report", type=Path, metavar="JSON", help="print the table of an earlier results file and exit")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="print the table of an earlier results file and exit")
     args = parser.parse_args(argv)
     if not args.limits:
         parser.error("--limits: give at least one GPU name or byte count")
@@ -633,9 +635,11 @@ def run_all(execute, runs: list[Run], jobs: int, finished) -> None:
 
 def earlier_plain_runs(path: Path, suites: list[str]) -> list[dict]:
     try:
-        runs = [run for run in json.loads(path.read_text())["runs"] if run["mode"] == "plain" and run["suite"] in suites]
+        runs = [run for run in json.loads(path.read_text())["runs"]
+                if run["mode"] == "plain" and run["suite"] in suites]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"--plain-from: {path} is not a results file of this script ({type(error).__name__}: {error})")
+        raise UsageError(f"--plain-from: {path} is not a results file of this script "
+                         f"({type(error).__name__}: {error})") from None
     if not runs:
         raise UsageError(f"--plain-from: {path} has no plain run of {', '.join(suites)}")
     return runs
@@ -646,7 +650,8 @@ def report(path: Path) -> int:
         results = json.loads(path.read_text())
         table = format_table(summarize(results))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"--report: {path} is not a results file of this script ({type(error).__name__}: {error})")
+        raise UsageError(f"--report: {path} is not a results file of this script "
+                         f"({type(error).__name__}: {error})") from None
     print(table)
     return 0
 

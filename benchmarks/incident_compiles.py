@@ -57,7 +57,8 @@ else:
     smemguard.install(Settings(max_shared=limit, cache_dir=None, log_path=log))
 with place:
     if scenario == "stages-only":
-        launch = lambda: matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
+        launch = lambda: matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                               num_stages=5)
     else:
         tuned = autotuned_matmul(FLAGGEMS_MATMUL_CONFIGS)
         big = next(cfg for cfg in tuned.configs if (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"],
@@ -102,7 +103,8 @@ def main() -> int:
     results = []
     for scenario in args.scenario or list(SCENARIOS):
         for label, tree in trees:
-            result = {"scenario": scenario, "tree": label, "limit": SCENARIOS[scenario], **run(tree, scenario, args.harness)}
+            result = {"scenario": scenario, "tree": label, "limit": SCENARIOS[scenario],
+                      **run(tree, scenario, args.harness)}
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "harness": args.harness, "python": sys.version.split()[0]}

@@ -80,7 +80,8 @@ def _leaves(case: dict, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
 
 
 def _eager(fn, inputs: list[torch.Tensor], dtype, cotangent: torch.Tensor, backward: bool) -> list[torch.Tensor]:
-    """``fn``'s output, then the gradients of ``(output * cotangent).sum()`` with ``backward``, computed in ``dtype``."""
+    """``fn``'s output, then the gradients of ``(output * cotangent).sum()`` with ``backward``, computed in
+    ``dtype``."""
     inputs = [t.detach().to(dtype).requires_grad_(backward) for t in inputs]
     out = fn(*inputs)
     if backward:

@@ -283,7 +283,8 @@ def print_report(results: dict) -> None:
     for record in sorted((r for r in records if r["group"] != "healthy"), key=lambda r: (r["pair"], r["mode"])):
         incidents = record["incidents"]
         actions = " ".join(f"{action}:{n}" for action, n in incidents["actions"].items()) or "0"
-        recovery = f"{incidents.get('compiles', 0)}c {incidents.get('recovery_s', 0):.1f}s" if incidents["count"] else "-"
+        recovery = (f"{incidents.get('compiles', 0)}c {incidents.get('recovery_s', 0):.1f}s" if incidents["count"]
+                    else "-")
         note = _note(record) + (f" LEAK: {len(record['leaks'])} kernel(s) over the limit loaded"
                                 if record["leaks"] else "")
         print(f"{record['pair']:34} {record['mode']:9} {record.get('outcome', '?'):8} "

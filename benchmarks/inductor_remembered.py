@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
         record = run_case(case, scratch, args.out, 2, args.timeout)
         previous = case_dir
         rows.append(record)
-        print(f"{run:11s} {record['outcome']:6s} records {[(r['action'], r['remembered'], r['compiles']) for r in record['incidents']['records']]}",
+        print(f"{run:11s} {record['outcome']:6s} records "
+              f"{[(r['action'], r['remembered'], r['compiles']) for r in record['incidents']['records']]}",
               flush=True)
     print("(the runs after the first must show remembered=True, one compile per config, and ok)")
     (args.out / "inductor_remembered.json").write_text(json.dumps(rows, indent=1, default=str))

@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
     print(f"{document['gpu']}, Triton {document['triton']}, torch {document['torch']}, {SIZE}^3 fp16")
     print(f"{'kernel':24} {'knob':48} {'shared B':>9}  bitwise")
     for row in rows:
-        verdict = row.get("error") or ("equal" if row["bitwise_equal"] else f"DIFFERENT (max {row['max_abs_diff']:.3g})")
+        verdict = row.get("error") or ("equal" if row["bitwise_equal"]
+                                       else f"DIFFERENT (max {row['max_abs_diff']:.3g})")
         print(f"{row['kernel']:24} {row['knob']:48} {row.get('shared', '-'):>9}  {verdict}")
     return 0
 

@@ -117,7 +117,8 @@ _KERNELS = {"matmul": matmul, "persistent": persistent, "tma": tma}
 _POINTERS = ("a_ptr", "b_ptr", "c_ptr")
 _ARITHMETIC = re.compile(r"\b((?:tt|ttng|ttg|amdgpu|triton_gpu)\.(?:dot\w*|warp_group_dot|tc_gen5_mma\w*|\w*mfma\w*)"
                          r"|arith\.(?:addf|subf|mulf|divf|truncf|extf|maxnumf|minnumf)|math\.fma)\b")
-_MATRIX = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.\w+\.\w+\.\w+|tcgen05\.mma\.cta_group::\d\.kind::\w+"
+_MATRIX = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.\w+\.\w+\.\w+"
+                     r"|tcgen05\.mma\.cta_group::\d\.kind::\w+"
                      r"|mma\.sync\.aligned\.m\d+n\d+k\d+|v_mfma_\w+)")
 
 

@@ -66,7 +66,8 @@ CASES = [
     Case(MATMUL, (256, 128, 128, 8, 4), "misaligned"),
     Case(MATMUL, (128, 128, 128, 4, 4), "misaligned"),
     # vLLM's batch-invariant fp32 matmul, with a wide B and with N == 1.
-    *(Case(PERSISTENT, meta, spec) for meta in ((128, 128, 32, 8, 3), (128, 128, 32, 4, 4)) for spec in ("aligned", "N=1")),
+    *(Case(PERSISTENT, meta, spec) for meta in ((128, 128, 32, 8, 3), (128, 128, 32, 4, 4))
+      for spec in ("aligned", "N=1")),
     Case(ATTENTION, (128, 128, 8, 2), "aligned"),
     Case(ATTENTION, (128, 128, 8, 3), "aligned"),
 ]

@@ -34,7 +34,8 @@ GOAL_SECONDS = 180.0
 def run(kernels: list, chosen: list, scratch: Path, exact: bool, jobs: int) -> preflight.Report:
     """The check with its own result cache under ``scratch``."""
     return preflight.check(kernels, chosen, exact=exact, jobs=jobs,
-                           cache=preflight.ResultCache(scratch / ("exact" if exact else "estimated")), progress=_progress)
+                           cache=preflight.ResultCache(scratch / ("exact" if exact else "estimated")),
+                           progress=_progress)
 
 
 def _progress(event: preflight.Progress) -> None:

@@ -37,7 +37,8 @@ from smemguard import runtime  # noqa: E402
 from smemguard.settings import Settings  # noqa: E402
 
 LIMITS = {"L20": 101376, "A100": 166912}
-CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=s, num_warps=8 if bm * bn >= 128 * 256 else 4)
+CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=s,
+                         num_warps=8 if bm * bn >= 128 * 256 else 4)
            for bm, bn, bk, s in [(256, 128, 64, 4), (128, 256, 64, 4), (128, 128, 64, 5), (128, 128, 64, 4),
                                  (128, 128, 64, 3), (128, 128, 32, 4), (128, 64, 64, 4), (64, 128, 64, 4),
                                  (64, 64, 64, 4), (64, 64, 32, 3), (32, 64, 64, 4), (16, 64, 128, 4),

@@ -291,7 +291,8 @@ def main(argv=None) -> int:
     import smemguard
 
     install_stand_ins(args.vllm_version)
-    modules = {name: import_file(name, args.source / relative) for name, relative in FILES.items() if name != "fused_moe"}
+    modules = {name: import_file(name, args.source / relative)
+               for name, relative in FILES.items() if name != "fused_moe"}
     kernels = jit_functions_of(args.source / FILES["fused_moe"], log.parent)
     # After the imports: a module loaded from a file path passes no import hook, and install()
     # patches the modules already imported at once.

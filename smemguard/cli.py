@@ -68,6 +68,7 @@ observe) and SMEMGUARD_LOG (the record is appended there, else written to a temp
 at the end); decisions stay in memory, never in SMEMGUARD_CACHE_DIR.
 """
 GPUS_EXIT = "exit status: 0.\n"
+VERSIONS_EXIT = "exit status: 0.\n"
 
 
 def _gpus(args) -> int:
@@ -273,7 +274,12 @@ def _import(command: str, store, source: Path) -> int:
         return 2
     for problem in dropped:
         print(f"{command}: {shown_source}: {problem}; not imported", file=sys.stderr)
-    added, present = store.merge(data)
+    try:
+        added, present = store.merge(data)
+    except decisions.FileTooLarge as error:
+        print(f"{command}: not importing {shown_source} into {untrusted.printable(str(store.path))}: {error}; nothing "
+              "imported. Fix: 'smemguard cache clear' first, or import into another --dir", file=sys.stderr)
+        return 2
     print(f"imported {added} decisions into {untrusted.printable(str(store.path))} ({present} already there, kept "
           "as they were)")
     if dropped:
@@ -358,12 +364,31 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--json", action="store_true", help="with show: the raw file")
     cache.set_defaults(run=_cache)
 
+    checked = commands.add_parser(
+        "versions", help="which patches apply here: the releases each was checked against, and yours",
+        description="Each patch smemguard can apply, the package it patches, the oldest release read (older ones "
+                    "are refused), the newest release checked and the version installed here. Newer releases "
+                    "than the newest checked are patched unverified: the patch applies when its own checks pass "
+                    "(one info line; records say verified: false), and SMEMGUARD=strict refuses it. Nothing of "
+                    "the patched packages is imported.", epilog=VERSIONS_EXIT,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    checked.add_argument("--markdown", action="store_true", help="the README's table of supported versions")
+    checked.set_defaults(run=_versions)
+
     from .cli_check import add_check_command
     from .cli_run import add_run_command
 
     add_check_command(commands)
     add_run_command(commands)
     return parser
+
+
+def _versions(args) -> int:
+    from . import versions
+
+    rows = versions.patch_versions()
+    print(versions.markdown(rows) if args.markdown else versions.table_text(rows))
+    return 0
 
 
 def _report_settings(settings) -> bool:

@@ -137,7 +137,8 @@ def _overrides(args) -> dict:
     if args.sig:
         overrides["signature"] = {name: str(ty) for text in args.sig for name, ty in _key_values(text, "--sig").items()}
     if args.const:
-        overrides["constants"] = {name: value for text in args.const for name, value in _key_values(text, "--const").items()}
+        overrides["constants"] = {name: value for text in args.const
+                                  for name, value in _key_values(text, "--const").items()}
     if args.meta:
         overrides["configs"] = [_key_values(text, "--meta") for text in args.meta]
     if args.one:
@@ -205,7 +206,8 @@ def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:
         outcome = f"{result['shared']} B" if result.get("shared") is not None else "compile error"
         arch = f"sm_{item.arch}" if isinstance(item.arch, int) else item.arch
         rate = event.done / event.elapsed if event.elapsed > 0 else 0.0
-        left = f", ~{_duration((event.planned - event.done) / rate)} left" if rate and event.done < event.planned else ""
+        left = (f", ~{_duration((event.planned - event.done) / rate)} left" if rate and event.done < event.planned
+                else "")
         print(f"smemguard check: [{event.done}/{event.planned}] {arch} {item.kernel.name.rsplit(':', 1)[-1]} "
               f"{item.variant.label()} {item.spec.name}: {outcome} ({result.get('seconds', 0):.1f} s; "
               f"{event.elapsed:.0f} s elapsed, {rate:.1f} compiles/s{left})", file=sys.stderr, flush=True)

@@ -18,7 +18,8 @@ RERAISED = "reraised"
 OBSERVED = "observed"
 #: torch.compile kernels (:mod:`smemguard.inductor`): smaller blocks of a kernel whose grid follows them.
 BLOCKS_REDUCED = "blocks_reduced"
-#: FlexAttention configs with smaller tiles, chosen before Inductor renders them (:mod:`smemguard.patches.inductor_flex_configs`).
+#: FlexAttention configs with smaller tiles, chosen before Inductor renders them
+#: (:mod:`smemguard.patches.inductor_flex_configs`).
 TILES_REDUCED = "tiles_reduced"
 
 #: Actions applied by putting the replacement into Triton's JIT cache: same tiles, other options.

@@ -68,6 +68,20 @@ MAX_WARPS = 32
 MAX_BYTES = 2**32
 
 
+class FileTooLarge(ValueError):
+    """A decision file would be larger than :data:`MAX_FILE`, which every reader refuses."""
+
+
+def serialized(data: dict) -> str:
+    """``data`` as the decision file holds it; :class:`FileTooLarge` when a reader would refuse that file."""
+    text = json.dumps(data, indent=1, sort_keys=True)
+    size = len(text.encode())
+    if size > MAX_FILE:
+        raise FileTooLarge(f"it would be {size / 2**20:.1f} MiB, over the {MAX_FILE // 2**20} MiB a decision file "
+                           "may hold")
+    return text
+
+
 def case_id(fields: dict) -> str:
     """A stable id for a case, from the fields that identify it (order-independent)."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -228,8 +242,8 @@ class Store:
                         "kept the %d usable ones.", self.path, len(dropped), dropped[0],
                         "; ..." if len(dropped) > 1 else "", aside, sum(len(self._data[kind]) for kind in KINDS))
 
-    def _write(self) -> None:
-        stat = files.replace(self.path, json.dumps(self._data, indent=1, sort_keys=True))
+    def _write(self, text: str | None = None) -> None:
+        stat = files.replace(self.path, text if text is not None else serialized(self._data))
         self._stamp = (stat.st_mtime_ns, stat.st_size)
 
     def _io_failed(self, error: OSError) -> None:
@@ -288,11 +302,21 @@ class Store:
                         self._refresh()
                         standing = self._data[kind].setdefault(key, entry)
                         if standing is entry:
-                            self._write()
+                            self._write_within_bounds()
                         return standing
                 except OSError as error:
                     self._io_failed(error)
             return self._data[kind].setdefault(key, entry)
+
+    def _write_within_bounds(self) -> None:
+        """Write the file unless it would be larger than every reader accepts: then the new decision stays in this
+        process (one warning), and the file stays as it was, usable."""
+        try:
+            self._write(serialized(self._data))
+        except FileTooLarge as error:
+            runtime.warn_once(log, ("decisions too large", str(self.path)), "smemguard: not storing a new decision "
+                              "in %s: %s; it holds in this process only. Fix: 'smemguard cache clear' or a "
+                              "SMEMGUARD_CACHE_DIR of its own for this fleet", self.path, error)
 
     def merge(self, data: dict) -> tuple[int, int]:
         """Add the entries of another decision file (``import``); returns (added, already there).
@@ -310,15 +334,17 @@ class Store:
             self._checked()
             with self._exclusive():
                 self._refresh()
+                merged = {**self._data, **{kind: dict(self._data[kind]) for kind in KINDS}}
                 for kind in KINDS:
                     for key, entry in data[kind].items():
-                        if key in self._data[kind]:
+                        if key in merged[kind]:
                             present += 1
                         else:
-                            self._data[kind][key] = entry
+                            merged[kind][key] = entry
                             added += 1
                 if added:
-                    self._write()
+                    self._write(serialized(merged))  # FileTooLarge (a ValueError): nothing written, nothing added
+                    self._data = merged
         return added, present
 
     def clear(self) -> int:

@@ -183,7 +183,8 @@ def cublas_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     persistent matmul for ``aten::mm``, ``mm.out``, ``addmm``, ``matmul`` and ``linear``, so
     ``torch.mm`` inside a fallback for such a kernel would run the kernel that just failed.
     ``aten::mm.dtype_out`` (the ``out_dtype=`` overload of ``torch.mm``) is overridden by
-    neither: on CUDA it goes straight to PyTorch's cuBLAS path. Operands of another dtype than ``out`` are cast first, as FlagGems' kernel does.
+    neither: on CUDA it goes straight to PyTorch's cuBLAS path. Operands of another dtype than
+    ``out`` are cast first, as FlagGems' kernel does.
     Libraries register their overrides for the device's dispatch key only, so on the CPU this
     is ``torch.mm``.
     """

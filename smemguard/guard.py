@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 
-from . import metrics, runtime, settings as settings_module
+from . import metrics, runtime, settings as settings_module, versions
 from ._version import __version__
 from .settings import Settings, SettingsError
 
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _active: Settings | None = None  # the settings the guard was installed with
 _pending: Settings | None = None  # waiting for "import triton"
+_guarding_triton = False  # some Triton patch applied (the library patches apply whatever Triton's fate)
 _hook_registered = False
 _library_hooks_registered = False
 _reported_problems: set[str] = set()
@@ -40,23 +41,62 @@ def _context(settings: Settings):
     from .patches import PatchContext
 
     return PatchContext(settings, _on_out_of_resources, _remembered_compile, _on_warmup, _on_inductor_overflow,
-                        _on_inductor_load)
+                        _on_inductor_load, _on_compiled)
+
+
+def _admitted(module, settings: Settings) -> bool:
+    """Whether the installed release of the module's package may be patched: refused below the oldest release
+    read (one line); above the newest checked, applied unverified (one info line), except in strict mode."""
+    name = _short(module)
+    refusal = module.SUPPORTED.refusal()
+    if refusal is not None:
+        runtime.warn_once(log, ("unsupported", name), "smemguard: %s; %s is left untouched and runs unguarded. "
+                          "Fix: upgrade %s or smemguard.", refusal, module.TARGET, module.SUPPORTED.name)
+        return False
+    unverified = module.SUPPORTED.unverified()
+    if unverified is not None and settings.mode == "strict":
+        runtime.warn_once(log, ("unverified", name), "smemguard: %s; %s is not applied (SMEMGUARD=strict refuses "
+                          "unverified patches) and %s runs unguarded", unverified, name, module.TARGET)
+        return False
+    return True
+
+
+def _short(module) -> str:
+    return module.__name__.rsplit(".", 1)[-1]
+
+
+def _note_applied(module, *, announce: bool = True) -> None:
+    """Remember the module as applied (for the install line, the records and ``smemguard versions``); one info
+    line when it applied unverified (the Triton patches say it once, on the install line)."""
+    unverified = module.SUPPORTED.unverified()
+    runtime.note_patch(_short(module), module.SUPPORTED.name, versions.installed(module.SUPPORTED.package),
+                       unverified is None)
+    if unverified is not None and announce:
+        runtime.warn_once(log, ("applied unverified", _short(module)), "smemguard: %s applied unverified: %s; its "
+                          "patch-time checks passed (records say verified: false)", _short(module), unverified,
+                          level=logging.INFO)
 
 
 def _patch_library(module, reason: str) -> None:
     """Apply one library patch; never raises (it may run inside the user's import)."""
-    if not _wanted(module, _active):
-        return
-    refusal = module.SUPPORTED.refusal()
-    if refusal is not None:
-        runtime.warn_once(log, ("unsupported", module.__name__), "smemguard: %s; %s is left untouched and runs "
-                            "unguarded. Fix: upgrade smemguard.", refusal, module.TARGET)
+    if not _wanted(module, _active) or not _admitted(module, _active):
         return
     try:
         module.patch(_context(_active))
     except Exception:
         log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", module.__name__, reason,
                     exc_info=True)
+        _roll_back(module)
+        return
+    if module.is_patched():
+        _note_applied(module)
+
+
+def _roll_back(module) -> None:
+    try:
+        module.unpatch()
+    except Exception:
+        log.debug("smemguard: rollback of %s failed", module.__name__, exc_info=True)
 
 
 def _watch_libraries() -> None:
@@ -106,7 +146,17 @@ def _on_warmup(kernel, grid, args, kwargs, compiled):
     settings = _active
     if settings is None:
         return compiled
-    return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, settings)
+    with runtime.engine_compiling.scope():
+        return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, settings)
+
+
+def _on_compiled(compile_fn, args, kwargs, kernel):
+    """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`smemguard.compile_fit`).
+    Never raises."""
+    from . import compile_fit
+
+    settings = _active
+    return kernel if settings is None else compile_fit.fit(compile_fn, args, kwargs, kernel, settings)
 
 
 def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
@@ -118,7 +168,8 @@ def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
     if settings is None:
         return None
     try:
-        return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs, settings)
+        with runtime.engine_compiling.scope():
+            return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs, settings)
     except Exception:
         runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a torch.compile "
                             "kernel; Inductor's own error is raised (smemguard's bug: please report it)",
@@ -134,9 +185,11 @@ def _on_inductor_load(autotuner) -> None:
     if settings is None:
         return
     try:
-        inductor.load_remembered(autotuner, settings)
+        with runtime.engine_compiling.scope():
+            inductor.load_remembered(autotuner, settings)
     except Exception:
-        runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while applying a stored decision to "
+        runtime.warn_once(log, ("inductor", "internal"),
+                          "smemguard: internal error while applying a stored decision to "
                           "a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: please report it)",
                           exc_info=True)
 
@@ -151,40 +204,56 @@ def _on_out_of_resources(kernel, grid, args, kwargs, error, again):
 
 
 def _patch(settings: Settings) -> bool:
-    global _active
-    from . import runtime
+    """Apply every Triton patch that is wanted and admitted, each on its own: one that is refused or fails
+    leaves its target untouched (one line), and the others, and the library patches, still apply. True when
+    some Triton patch applied; strict mode raises where a patch was refused or failed."""
+    global _active, _guarding_triton
     from .patches import TRITON, triton_modules
 
     version = runtime.triton_version()
-    refusal = TRITON.refusal()
-    if refusal is not None:
-        return _fail(f"smemguard {__version__}: {refusal}; Triton is left untouched and kernels run unguarded. "
-                     "Fix: upgrade smemguard.", settings)
-    context = _context(settings)
-    applied = []
-    try:
-        for module in triton_modules():
-            if not _wanted(module, settings):
-                continue
-            if not module.SUPPORTED.admits(version):
-                log.debug("smemguard: %s needs Triton %s; not applied", module.TARGET, module.SUPPORTED)
-                continue
-            module.patch(context)
-            applied.append(module)
-    except Exception as error:
-        for module in reversed(applied):
-            try:
-                module.unpatch()
-            except Exception:
-                log.debug("smemguard: rollback of %s failed", module.__name__, exc_info=True)
-        return _fail(f"smemguard {__version__}: could not patch Triton {version} ({type(error).__name__}: {error}); "
-                     "Triton is left untouched and kernels run unguarded.", settings)
+    problems = [problem for problem in (TRITON.refusal(), TRITON.unverified() if settings.mode == "strict" else None)
+                if problem is not None]
+    if not problems:
+        problems = _patch_triton(settings, version)
+    if problems and settings.mode == "strict":
+        for module in reversed(triton_modules()):
+            _roll_back(module)
+        runtime.forget_patches()
+        raise SettingsError(f"smemguard {__version__}: {'; '.join(problems)}; Triton is left untouched (strict mode)")
+    for problem in problems:
+        log.warning("smemguard %s: %s; %s", __version__, problem, "those targets are left untouched"
+                    if runtime.applied_patches() else "Triton is left untouched and kernels run unguarded. "
+                    "Fix: upgrade Triton or smemguard.")
     _active = settings
+    _guarding_triton = bool(runtime.applied_patches())
     metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
-    log.info("smemguard %s guarding Triton %s: mode=%s, %s", __version__, version, settings.mode,
-             settings.describe_limit())
-    return True
+    log.info("smemguard %s guarding Triton %s: mode=%s, %s; %s", __version__, version, settings.mode,
+             settings.describe_limit(), runtime.applied_text())
+    return _guarding_triton
+
+
+def _patch_triton(settings: Settings, version: str) -> list[str]:
+    """Apply the Triton patches one by one; the problems of those that failed (each rolled back)."""
+    from .patches import triton_modules
+
+    context = _context(settings)
+    failed = []
+    for module in triton_modules():
+        if not _wanted(module, settings):
+            continue
+        if not module.SUPPORTED.admits(version):
+            log.debug("smemguard: %s needs Triton %s; not applied", module.TARGET, module.SUPPORTED)
+            continue
+        try:
+            module.patch(context)
+        except Exception as error:
+            _roll_back(module)
+            failed.append(f"could not patch Triton {version}: {_short(module)} ({type(error).__name__}: {error})")
+            log.debug("smemguard: could not patch %s", module.TARGET, exc_info=True)
+            continue
+        _note_applied(module, announce=False)
+    return failed
 
 
 def _on_triton_imported(module) -> None:
@@ -236,7 +305,7 @@ def install(settings: Settings | None = None) -> bool:
     settings = settings or settings_module.current()
     with _lock:
         if _active is not None or _pending is not None:
-            return True
+            return _guarding_triton or _pending is not None
         _report(settings)
         if not settings.enabled:
             log.info("smemguard %s is off (SMEMGUARD=off)", __version__)
@@ -255,10 +324,11 @@ def install(settings: Settings | None = None) -> bool:
 
 def uninstall() -> None:
     """Remove what :func:`install` added; safe to call at any time, any number of times."""
-    global _active, _pending
+    global _active, _pending, _guarding_triton
     with _lock:
         _pending = None
         _active = None
+        _guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
             return  # nothing was patched yet, and removing nothing must not import Triton
@@ -266,6 +336,7 @@ def uninstall() -> None:
         from .patches import modules
 
         recovery.forget()
+        runtime.forget_patches()
         for module in reversed(modules()):
             try:
                 module.unpatch()

@@ -33,9 +33,14 @@ _sequence = 0
 
 
 def new_record(kernel: str) -> dict:
-    """The fields every incident record starts with (docs/INCIDENTS.md): schema, time, pid, host, rank, kernel."""
-    return {"schema": SCHEMA, "time": time.strftime(TIME_FORMAT), "pid": os.getpid(), "host": host(),
-            "rank": rank(), "kernel": kernel}
+    """The fields every incident record starts with (docs/INCIDENTS.md): schema, time, pid, host, rank, kernel;
+    ``verified: false`` and the ``unverified`` patches when some patch applied above its newest checked release."""
+    record = {"schema": SCHEMA, "time": time.strftime(TIME_FORMAT), "pid": os.getpid(), "host": host(),
+              "rank": rank(), "kernel": kernel}
+    unverified = runtime.unverified_patches()
+    if unverified:  # some patch of this process runs on a release newer than any it was checked against
+        record.update(verified=False, unverified=unverified)
+    return record
 
 
 def overflow_fields(device: int, resource: str, required, limit_hit) -> dict:

@@ -198,7 +198,11 @@ def _with_live_function(autotuner) -> None:
 
 
 def _device(autotuner) -> int:
-    return autotuner.triton_meta.get("device", 0) or 0
+    """The device the kernel loads on. torch 2.14's compile on one rank leaves it None (rank-agnostic): it loads
+    on the current device of the rank that runs it, as Inductor's own ``_resolve_load_device`` reads it."""
+    device = autotuner.triton_meta.get("device")
+    index = getattr(device, "index", device)  # Inductor's DeviceProperties, or an index
+    return runtime.current_device() if index is None else index
 
 
 def _case(autotuner, config, device: int) -> dict:
@@ -247,7 +251,8 @@ def load_remembered(autotuner, settings) -> None:
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
                 runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
-                                  "variant recovery could produce from %s here)", key, introspect.config_text(result.config))
+                                  "variant recovery could produce from %s here)", key,
+                                  introspect.config_text(result.config))
             if candidate is None:
                 continue
             found = trial.load(candidate, with_launcher=False)

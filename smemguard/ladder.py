@@ -58,7 +58,8 @@ RACE = 3
 RACE_BATCHES = 1
 
 def _is_tile(name: str, value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and ("BLOCK" in name.upper() or "TILE" in name.upper())
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and ("BLOCK" in name.upper() or "TILE" in name.upper()))
 
 
 def _tile_size(config) -> int:
@@ -162,7 +163,8 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
         return
     bound = measured.too_big(_constexprs(launch), 1, failing.metadata.num_warps)
     if bound is not None and last_stages > 1:
-        measured.skipped.append(f"num_stages={counts}: at least {bound} B, one stage of its tiles (calibrated estimate)")
+        measured.skipped.append(f"num_stages={counts}: at least {bound} B, "
+                                "one stage of its tiles (calibrated estimate)")
         return
     stages = last_stages - 1
     per_stage = measured.stage_bytes(_constexprs(launch), last_stages, failing.metadata.num_warps, last_bytes)

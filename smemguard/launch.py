@@ -241,7 +241,7 @@ def try_compile_all(candidates: list[tuple[Launch, str]]) -> list[tuple[Any, Att
     with ThreadPoolExecutor(len(candidates), thread_name_prefix="smemguard-compile") as pool, \
             _async_compile.AsyncCompileMode(pool, ignore_errors=True):
         pending = []
-        for launch, label in candidates:
+        for launch, _label in candidates:
             try:
                 pending.append(launch.compile())
             except Exception as error:  # binding failed: nothing was submitted

@@ -222,7 +222,8 @@ def _live_series():
             _live = _Live(client)
         except ValueError as error:  # a name already registered by someone else
             _live = False
-            runtime.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s", error)
+            runtime.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s",
+                              error)
     return _live or None
 
 
@@ -239,8 +240,10 @@ def configure(settings) -> None:
             _settings = settings
             _textfile = settings.metrics_file if settings is not None else None
             if _textfile is not None and importlib.util.find_spec("prometheus_client") is None:
-                runtime.warn_once(log, ("metrics", "client"), "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
-                           "installed; no metrics are written. Fix: pip install 'smemguard[metrics]'", _textfile)
+                runtime.warn_once(log, ("metrics", "client"),
+                                  "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
+                                  "installed; no metrics are written. Fix: pip install 'smemguard[metrics]'",
+                                  _textfile)
             if _watching or settings is None:
                 if "prometheus_client" in sys.modules:
                     _publish_info()
@@ -250,7 +253,8 @@ def configure(settings) -> None:
 
         wrapt.register_post_import_hook(_publish_info, "prometheus_client")
     except Exception:  # metrics are never the reason smemguard does not install
-        runtime.warn_once(log, ("metrics", "configure"), "smemguard: could not set up its Prometheus metrics", exc_info=True)
+        runtime.warn_once(log, ("metrics", "configure"), "smemguard: could not set up its Prometheus metrics",
+                          exc_info=True)
 
 
 def _publish_info(_module=None) -> None:
@@ -285,7 +289,8 @@ def count(record: dict) -> None:
             if _textfile is not None and _client() is not None:
                 _update_textfile(_textfile, record)
     except Exception:
-        runtime.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics", exc_info=True)
+        runtime.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics",
+                          exc_info=True)
 
 
 def _update_textfile(path: Path, record: dict) -> None:
@@ -305,8 +310,9 @@ def _update_textfile(path: Path, record: dict) -> None:
             files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
             _last_written = (path, text, tally)
     except OSError as error:
-        runtime.warn_once(log, ("metrics", str(path)), "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
-                   "SMEMGUARD_METRICS_FILE at a writable file.", path, error.strerror or error)
+        runtime.warn_once(log, ("metrics", str(path)),
+                          "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
+                          "SMEMGUARD_METRICS_FILE at a writable file.", path, error.strerror or error)
 
 
 def _read_textfile(path: Path) -> Tally:

@@ -29,7 +29,8 @@ def fits(configs, named_args, **kwargs):
     (``SMEMGUARD_MAX_SHARED``). Little is wasted: the compiled kernels are the ones the autotuner
     then benchmarks, from Triton's JIT cache (only configs a ``perf_model`` drops afterwards are
     compiled for nothing). A config that fails to compile in a way the autotuner itself tolerates
-    (``PTXASError``, ``CompileTimeAssertionFailure``) is dropped. Never returns an empty list: when nothing fits, the config needing the least shared memory is
+    (``PTXASError``, ``CompileTimeAssertionFailure``) is dropped. Never returns an empty list: when
+    nothing fits, the config needing the least shared memory is
     kept and a warning is logged (the launch then raises ``OutOfResources``, or smemguard recovers it).
 
     The kernel is the one of the autotuner calling the pruner, found on the call stack: the

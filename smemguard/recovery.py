@@ -2,7 +2,8 @@
 
 :func:`handle` resolves the launch (:mod:`smemguard.launch`), takes a decision once per
 failing compiled kernel (remembered from another process, :mod:`smemguard.decisions`, or
-found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by :mod:`smemguard.recall`), writes the incident record
+found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by :mod:`smemguard.recall`),
+writes the incident record
 (:mod:`smemguard.incidents`) and applies the decision. Concurrent threads meeting the same
 failure wait for one decision under a lock and all apply it.
 
@@ -181,10 +182,11 @@ def handle(launched, grid, args, kwargs, error, settings, again):
     steps = Steps(_layer_name(launched))
     launch = failing = None
     try:
-        launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
-        if launch is not None:
-            failing = steps.run("compile the failing launch", launch.compile)
-        run = _recover(launched, launch, failing, error, settings, steps, started)
+        with runtime.engine_compiling.scope():  # the variants it compiles are measured as they are
+            launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
+            if launch is not None:
+                failing = steps.run("compile the failing launch", launch.compile)
+            run = _recover(launched, launch, failing, error, settings, steps, started)
     except StepFailed:
         run = None
     except Exception:

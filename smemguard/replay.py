@@ -349,6 +349,11 @@ def _show_attempts(incident: dict | None, say) -> None:
     if incident is None:
         return
     for attempt in incident["attempts"][1:]:
+        if "shared" in attempt:  # the compile-time core's: each stage count it compiled, and the bytes it needs
+            changes = ", ".join(f"{name}={value}" for name, value in attempt.items() if name != "shared")
+            verdict = "fits" if attempt["shared"] <= incident["limit_hit"] else "too big"
+            say(f"    compiled {changes}: {attempt['shared']} B, limit {incident['limit_hit']} B: {verdict}")
+            continue
         verdict = attempt["error"] or ("fits" if attempt["fits"] else "too big")
         say(f"    tried {attempt.get('changes') or attempt.get('config')}: {attempt['required']} B, "
             f"limit {attempt['limit']} B: {verdict}")
@@ -383,7 +388,8 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
         except OutOfResources as error:
             reproduced = error
             same = "same as recorded" if error.required == record["required"] else f"recorded {record['required']} B"
-            say(f"  reproduced: OutOfResources {error.name}, required {error.required} B, limit {error.limit} B ({same})")
+            say(f"  reproduced: OutOfResources {error.name}, required {error.required} B, "
+                f"limit {error.limit} B ({same})")
         except Exception as error:
             raise _launch_failed(error) from None
         recovered = True

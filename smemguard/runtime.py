@@ -41,13 +41,14 @@ _warned: set = set()
 _warned_lock = threading.Lock()
 
 
-def warn_once(logger: logging.Logger, case, message: str, *args, exc_info: bool = False) -> None:
-    """Log ``message`` on ``logger`` at WARNING the first time ``case`` (a kernel and config, a path, a
-    patch) is seen in this process, afterwards at DEBUG: the one warn-once of the package."""
+def warn_once(logger: logging.Logger, case, message: str, *args, exc_info: bool = False,
+              level: int = logging.WARNING) -> None:
+    """Log ``message`` on ``logger`` at ``level`` (WARNING) the first time ``case`` (a kernel and config, a
+    path, a patch) is seen in this process, afterwards at DEBUG: the one warn-once of the package."""
     with _warned_lock:
         first = case not in _warned
         _warned.add(case)
-    logger.log(logging.WARNING if first else logging.DEBUG, message, *args, exc_info=exc_info)
+    logger.log(level if first else logging.DEBUG, message, *args, exc_info=exc_info)
 
 
 def warned(case) -> bool:
@@ -98,6 +99,40 @@ def device_description(device: int) -> dict:
     return {"name": gpu_name(device), "backend": target.backend, "arch": target.arch, "index": device}
 
 
+# -- the patches applied in this process -------------------------------------------------------
+
+_applied: dict[str, tuple[str, str | None, bool]] = {}  # patch module -> (package label, its version, verified)
+
+
+def note_patch(name: str, package: str, version: str | None, verified: bool) -> None:
+    _applied[name] = (package, version, verified)
+
+
+def forget_patches() -> None:
+    _applied.clear()
+
+
+def applied_patches() -> dict[str, tuple[str, str | None, bool]]:
+    return dict(_applied)
+
+
+def unverified_patches() -> list[str]:
+    """``"name (package version)"`` of every patch applied above the newest release it was checked against."""
+    return [f"{name} ({package} {version})" for name, (package, version, verified) in _applied.items() if not verified]
+
+
+def applied_text() -> str:
+    """The applied patches in one phrase, grouped by package and version: ``"patches: Triton 3.9.0 (verified):
+    max_shared_mem, ..."``."""
+    groups: dict[tuple, list[str]] = {}
+    for name, (package, version, verified) in _applied.items():
+        groups.setdefault((package, version, verified), []).append(name)
+    if not groups:
+        return "no patch applied"
+    return "patches: " + "; ".join(f"{package} {version} ({'verified' if verified else 'unverified'}): "
+                                   f"{', '.join(names)}" for (package, version, verified), names in groups.items())
+
+
 # -- shared-memory limits -------------------------------------------------------------------
 
 
@@ -119,7 +154,8 @@ def device_limit(device: int) -> int:
 
 
 def effective_limit(device: int) -> int:
-    """The limit Triton enforces now: the device's, lowered by any emulation (Triton's own check asks the same function)."""
+    """The limit Triton enforces now: the device's, lowered by any emulation (Triton's own check asks the
+    same function)."""
     from triton.compiler import compiler
 
     return compiler.max_shared_mem(device)
@@ -131,9 +167,9 @@ _replacements: list[tuple[weakref.ref, int, str, object]] = []  # (JIT function,
 _replacements_lock = threading.Lock()
 
 
-def note_replacement(jit, device: int, key: str, kernel) -> None:
-    """``kernel`` sits in ``jit``'s JIT cache under ``key`` because of smemguard (fewer stages, a
-    remembered decision), not because the caller asked for it."""
+def note_replacement(jit, device: int, key: str | None, kernel) -> None:
+    """``kernel`` sits in ``jit``'s JIT cache under ``key`` (None: under whichever key the JIT files it)
+    because of smemguard (fewer stages, a remembered decision), not because the caller asked for it."""
     with _replacements_lock:
         _replacements.append((weakref.ref(jit), device, key, kernel))
 
@@ -147,9 +183,10 @@ def drop_replacements() -> int:
     for jit_ref, device, key, kernel in noted:
         jit = jit_ref()
         kernel_cache = jit.device_caches.get(device, ({},))[0] if jit is not None else {}
-        if kernel_cache.get(key) is kernel:
-            del kernel_cache[key]
-            dropped += 1
+        for cached in [key] if key is not None else [k for k, v in list(kernel_cache.items()) if v is kernel]:
+            if kernel_cache.get(cached) is kernel:
+                del kernel_cache[cached]
+                dropped += 1
     return dropped
 
 
@@ -176,6 +213,32 @@ class ThreadFlag:
 
 #: Set inside ``Autotuner._bench``: nothing may be changed there (``patches/autotuner_bench``).
 benchmarking = ThreadFlag()
+
+
+class ProcessFlag(ThreadFlag):
+    """Set for every thread of the process while a ``with flag.scope():`` block runs in any of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with self._lock:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+
+    def __bool__(self) -> bool:
+        return self._depth > 0
+
+
+#: Set while smemguard's own engine compiles variants to measure them (the ladder on its pool of threads,
+#: Inductor recovery, warm-up decisions): the compile-time core (:mod:`smemguard.compile_fit`) stands aside.
+engine_compiling = ProcessFlag()
 
 
 def note_timing(tuner, key: tuple, config, median_ms: float) -> None:

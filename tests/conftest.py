@@ -9,8 +9,12 @@ from pathlib import Path
 
 # The run's caches live in a directory of its own, removed at the end: the tests never write the
 # user's ~/.cache/smemguard or ~/.triton (subprocesses inherit these too). Set before Triton is imported.
-_CACHES = tempfile.mkdtemp(prefix="smemguard-tests-")
-os.environ["XDG_CACHE_HOME"] = os.path.join(_CACHES, "xdg")
+# Under pytest-xdist the workers share the controller's Triton cache (Triton writes it atomically: a kernel
+# one worker compiled is a cache hit for the other) and keep an XDG cache (smemguard's decisions) each.
+_SHARED = "PYTEST_SMEMGUARD_CACHES"
+_OWNER = _SHARED not in os.environ
+_CACHES = os.environ.setdefault(_SHARED, tempfile.mkdtemp(prefix="smemguard-tests-"))
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xdg-", dir=_CACHES)
 os.environ["TRITON_HOME"] = _CACHES
 
 import pytest  # noqa: E402
@@ -21,7 +25,8 @@ from smemguard.settings import Settings  # noqa: E402
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_CACHES, ignore_errors=True)
+    if _OWNER:
+        shutil.rmtree(_CACHES, ignore_errors=True)
 
 
 TESTS = Path(__file__).parent
@@ -29,9 +34,11 @@ ROOT = TESTS.parent
 
 
 @pytest.fixture(scope="session")
-def triton_cache(tmp_path_factory) -> str:
-    """One Triton cache for the whole run: the same kernel compiles once, whichever test asks first."""
-    return str(tmp_path_factory.mktemp("triton-cache"))
+def triton_cache() -> str:
+    """One Triton cache for the whole run, all workers: the same kernel compiles once, whichever test asks first."""
+    path = os.path.join(_CACHES, "triton-cache")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 @pytest.fixture
@@ -41,9 +48,15 @@ def incident_log(tmp_path) -> Path:
 
 @pytest.fixture
 def install_guard(incident_log):
-    """Install smemguard with the given settings (incidents to ``incident_log``); uninstall afterwards."""
+    """Install smemguard with the given settings (incidents to ``incident_log``); uninstall afterwards.
 
-    def install(**fields) -> Settings:
+    The compile-time core (``triton_compile``) is left off unless ``core=True``: these tests drive the launch
+    guard, the ladder and the other layers, which stay for everything stages cannot fix (and run as tested
+    under ``SMEMGUARD_DISABLE=triton_compile``); tests/test_compile_core.py drives the core itself."""
+
+    def install(core: bool = False, **fields) -> Settings:
+        if not core:
+            fields["disabled"] = (*fields.get("disabled", ()), "triton_compile")
         fields.setdefault("log_path", incident_log)
         settings = Settings(**fields)
         assert smemguard.install(settings)

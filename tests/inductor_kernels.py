@@ -91,7 +91,8 @@ def template_matmul(gpu: str, num_stages: int = 4, num_warps: int = 4, jit=trito
         triton_meta={"signature": {"arg_A": "*fp16", "arg_B": "*fp16", "out_ptr0": "*fp16"}, "device": properties(gpu),
                      "constants": {}, "configs": [_aligned(3)]},
         inductor_meta={**_INDUCTOR_META, "kernel_name": "triton_tem_fused_mm_0", "grid_type": "FixedGrid",
-                       "fixed_grid": ["_grid_0", "_grid_1", "_grid_2"], "extra_launcher_args": ["_grid_0", "_grid_1", "_grid_2"]},
+                       "fixed_grid": ["_grid_0", "_grid_1", "_grid_2"],
+                       "extra_launcher_args": ["_grid_0", "_grid_1", "_grid_2"]},
     )(jit)
 
 

@@ -50,7 +50,9 @@ def block_fp8_matmul(kernel, M, N, K, config):
     As = torch.empty(M, triton.cdiv(K, 128), dtype=torch.float32)
     Bs = torch.empty(triton.cdiv(N, 128), triton.cdiv(K, 128), dtype=torch.float32)
     C = torch.empty(M, N, dtype=torch.bfloat16)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_SIZE_M"]) * triton.cdiv(N, meta["BLOCK_SIZE_N"]),)
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_SIZE_M"]) * triton.cdiv(N, meta["BLOCK_SIZE_N"]),)
+
     return kernel[grid](A, B, C, As, Bs, M, N, K, 128, 128, A.stride(-2), A.stride(-1), B.stride(1), B.stride(0),
                         C.stride(-2), C.stride(-1), As.stride(-2), As.stride(-1), Bs.stride(1), Bs.stride(0), **config)
 

@@ -116,7 +116,9 @@ WORKER = """
     knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["compile"]["num_stages"]) or False
     handle = recovery.handle
     recovery.handle = lambda *a: handled.append(1) or handle(*a)
-    smemguard.install(Settings(cache_dir=__import__("pathlib").Path(cache_dir), log_path=__import__("pathlib").Path(log)))
+    # The launch guard's decisions (the compile-time core, which would fit the kernel first, left off).
+    smemguard.install(Settings(cache_dir=__import__("pathlib").Path(cache_dir),
+                               log_path=__import__("pathlib").Path(log), disabled=("triton_compile",)))
     a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
     with fake_gpu("L4", max_shared=40000 if kind == "stages" else 30000, cache_dir=triton_cache) as gpu:
         if kind == "stages":
@@ -182,3 +184,31 @@ def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
         assert record["remembered"] is True and record["action"] == "config_changed"
         assert len(record["attempts"]) == 1, "only the remembered config is compiled to confirm it fits"
         assert second["compiled"] == [3, 4, 2], "tuning both configs, then only the remembered config"
+
+
+def test_an_import_that_would_outgrow_what_readers_accept_writes_nothing(tmp_path, capsys):
+    """Two imports of 12000 valid entries each would make a file over the 8 MiB every reader accepts: the second is
+    refused with one line and nothing written, and the cache stays usable (issue 33)."""
+    from smemguard import cli
+
+    def entries(first: int) -> dict:
+        data = decisions.empty()
+        for n in range(first, first + 12000):
+            data["compile"][f"{n:024x}"] = {"action": "stages_reduced", "final": "num_stages=3",
+                                             "options": {"num_stages": 3}, "resource": "shared memory",
+                                             "required": 131072, "kernel": f"pkg.kernels:kernel_{n}",
+                                             "source_hash": "0" * 16, "triton": "3.9.0", "arch": 89,
+                                             "limit": 101376, "variant": "f" * 32, "gpu": "NVIDIA L4"}
+        return data
+
+    cache = tmp_path / "cache"
+    for name, first in (("one.json", 0), ("two.json", 12000)):
+        (tmp_path / name).write_text(json.dumps(entries(first)))
+    assert cli.main(["cache", "import", str(tmp_path / "one.json"), "--dir", str(cache)]) == 0
+    before = (cache / decisions.FILE_NAME).read_bytes()
+    capsys.readouterr()
+    assert cli.main(["cache", "import", str(tmp_path / "two.json"), "--dir", str(cache)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "over the 8 MiB a decision file may hold; nothing imported" in err[0]
+    assert (cache / decisions.FILE_NAME).read_bytes() == before, "nothing written"
+    assert cli.main(["cache", "show", "--dir", str(cache)]) == 0, "every reader still accepts the file"

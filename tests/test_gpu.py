@@ -195,7 +195,8 @@ def test_flaggems_matmul_that_fits_nowhere_falls_back_to_cublas_through_its_own_
 
 
 def test_torch_fallbacks_never_reenter_an_overridden_aten_matmul():
-    """vLLM's batch-invariant mode and FlagGems replace aten::mm and friends with the kernels these fallbacks replace."""
+    """vLLM's batch-invariant mode and FlagGems replace aten::mm and friends with the kernels these fallbacks
+    replace."""
     from smemguard.fallbacks import batch_invariant_mm, cublas_mm
 
     a = torch.randn(300, 256, device="cuda")

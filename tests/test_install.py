@@ -6,18 +6,22 @@ import pytest
 import wrapt
 
 import smemguard
+from smemguard import patches
 from smemguard.patches import autotuner_bench, kernel_interface, max_shared_mem
 from smemguard.settings import Settings, SettingsError
 
-from conftest import run_python
+from conftest import ROOT, records, run_python
 
 
 def originals():
+    import triton
+    import triton.compiler
     from triton.compiler import compiler
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import KernelInterface
 
-    return (KernelInterface.__dict__["__getitem__"], compiler.max_shared_mem, Autotuner.__dict__["_bench"])
+    return (KernelInterface.__dict__["__getitem__"], compiler.max_shared_mem, Autotuner.__dict__["_bench"],
+            compiler.compile, triton.compiler.compile, triton.compile)
 
 
 def test_install_uninstall_restores_exactly_the_originals():
@@ -97,22 +101,53 @@ def test_uninstall_removes_only_our_layer_under_another_tools():
         compiler.max_shared_mem = original
 
 
-def test_unsupported_triton_version_leaves_triton_untouched(monkeypatch, caplog):
+def test_a_triton_older_than_the_oldest_read_is_left_untouched(monkeypatch, caplog):
     import triton
 
     before = originals()
-    monkeypatch.setattr(triton, "__version__", "4.1.0")
+    monkeypatch.setattr(triton, "__version__", "3.3.1")
     with caplog.at_level(logging.WARNING, logger="smemguard"):
         assert smemguard.install(Settings()) is False
     assert not smemguard.is_installed()
     assert all(a is b for a, b in zip(before, originals()))
     [line] = [r.getMessage() for r in caplog.records]
-    assert "Triton 4.1.0 is outside the checked range >=3.4,<3.10" in line and "upgrade smemguard" in line
-    with pytest.raises(SettingsError, match="outside the checked range"):
+    assert "Triton 3.3.1 is older than the oldest release read, 3.4" in line and "upgrade Triton" in line
+    smemguard.uninstall()
+    with pytest.raises(SettingsError, match="older than the oldest release read"):
         smemguard.install(Settings(mode="strict"))
 
 
-def test_a_failing_patch_is_rolled_back(monkeypatch, caplog):
+def test_a_triton_newer_than_the_newest_checked_is_guarded_unverified(monkeypatch, caplog, install_guard,
+                                                                      incident_log, triton_cache):
+    """Above the newest release checked, the patches apply when their own checks pass: one line says so, the
+    records carry verified: false; strict mode refuses them and leaves Triton untouched."""
+    import torch
+    import triton
+
+    from kernels import matmul_args, matmul_kernel
+    from smemguard.testing import fake_gpu
+
+    before = originals()
+    monkeypatch.setattr(triton, "__version__", "3.99.0")
+    with caplog.at_level(logging.INFO, logger="smemguard"):
+        install_guard(core=True)
+    assert smemguard.is_installed()
+    [line] = [r.getMessage() for r in caplog.records if "guarding Triton" in r.getMessage()]
+    assert "Triton 3.99.0 (unverified): max_shared_mem" not in line, "no emulated limit: not applied"
+    assert "Triton 3.99.0 (unverified): autotuner_bench, " in line and "kernel_interface" in line
+    a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+    with fake_gpu("L4", cache_dir=triton_cache):
+        matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
+    [record] = records(incident_log)
+    assert record["verified"] is False and "triton_compile (Triton 3.99.0)" in record["unverified"]
+    smemguard.uninstall()
+    assert all(x is y for x, y in zip(before, originals()))
+    with pytest.raises(SettingsError, match="newer than the newest release checked, 3.9"):
+        smemguard.install(Settings(mode="strict"))
+    assert all(x is y for x, y in zip(before, originals())), "strict: Triton left untouched"
+
+
+def test_a_failing_patch_is_rolled_back_alone(monkeypatch, caplog):
     from triton.runtime import jit
 
     before = originals()
@@ -122,11 +157,13 @@ def test_a_failing_patch_is_rolled_back(monkeypatch, caplog):
 
     monkeypatch.setattr(kernel_interface, "patch", broken)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
-        assert smemguard.install(Settings(max_shared=65536)) is False
-    assert all(a is b for a, b in zip(before, originals())), "partial patches must be rolled back"
-    assert jit.KernelInterface.__dict__["__getitem__"] is before[0]
+        assert smemguard.install(Settings(max_shared=65536)) is True
+    assert jit.KernelInterface.__dict__["__getitem__"] is before[0], "the failing patch leaves its target untouched"
+    assert max_shared_mem.is_patched(), "one failing patch never switches off another"
     [line] = [r.getMessage() for r in caplog.records]
     assert "could not patch Triton" in line and "KernelInterface has changed" in line and "untouched" in line
+    smemguard.uninstall()
+    assert all(a is b for a, b in zip(before, originals()))
 
 
 def test_install_before_triton_is_imported_waits_for_the_import():
@@ -182,7 +219,8 @@ def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog)
 
     from smemguard import settings as settings_module
 
-    settings = settings_module.load({"SMEMGUARD_DISABLE": " autotuner_bench,max_shared_mem ,", "SMEMGUARD_MAX_SHARED": "L4"})
+    settings = settings_module.load({"SMEMGUARD_DISABLE": " autotuner_bench,max_shared_mem ,",
+                                     "SMEMGUARD_MAX_SHARED": "L4"})
     assert settings.disabled == ("autotuner_bench", "max_shared_mem") and not settings.problems
     with caplog.at_level(logging.INFO, logger="smemguard"):
         assert smemguard.install(settings)
@@ -194,3 +232,30 @@ def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog)
                         "are untouched")
     finally:
         smemguard.uninstall()
+
+
+def test_the_readmes_versions_table_is_generated_from_the_patches_data():
+    """The README's table of supported versions is `smemguard versions --markdown`, from the data the installer
+    checks (regenerate it with that command when a patch's versions change)."""
+    from smemguard import versions
+
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- versions table: begin -->\n", "\n<!-- versions table: end -->"
+    assert readme[readme.index(begin) + len(begin):readme.index(end)] == versions.markdown(versions.patch_versions())
+
+
+def test_smemguard_versions_says_what_applies_here_without_importing_the_targets():
+    result = run_python("""
+        import sys
+        from smemguard import cli
+        status = cli.main(["versions"])
+        print("imported:", sorted(name for name in ("vllm", "flag_gems", "torch._inductor") if name in sys.modules))
+        sys.exit(status)
+    """)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["patch", "package", "oldest", "newest", "checked", "installed", "status"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert set(rows) == set(patches.MODULES)
+    assert rows["triton_compile"][1:4] == ["Triton", "3.4", "3.9"] and rows["triton_compile"][-1] in (
+        "verified", "unverified")
+    assert lines[-1] == "imported: []", "reading versions imports none of the patched packages"

@@ -101,7 +101,8 @@ def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
     assert "WARNING" not in result.stderr and "unexpected parameters" not in result.stderr
 
 
-@pytest.mark.parametrize("version, why", [("5.0.9", "LibTuner.get_key"), ("9.0.0", "outside the checked range >=5.0,<5.1")])
+@pytest.mark.parametrize("version, why", [("5.0.9", "LibTuner.get_key"), ("9.0.0", "LibTuner.get_key"),
+                                          ("4.9.0", "older than the oldest release read, 5.0")])
 def test_flaggems_of_another_release_or_shape_is_left_unguarded_with_one_line(tmp_path, version, why):
     """A FlagGems of another release, or whose LibTuner lacks what smemguard reads: one warning, no layer
     described, no error (in a fresh process: post-import hooks fire once per module and process)."""

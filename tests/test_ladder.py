@@ -106,7 +106,8 @@ def test_candidate_configs_compile_concurrently_and_decide_as_one_at_a_time(inst
     compiled_in = []
     listener = knobs.compilation.listener
     knobs.compilation.listener = lambda **_: compiled_in.append(threading.current_thread().name)
-    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2), config(64, 128, 32, 3)]
+    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2),
+               config(64, 128, 32, 3)]
     tuned, (a, b, c) = tuned_elsewhere(configs)
     install_guard()
     try:
@@ -140,7 +141,8 @@ def test_a_candidate_whose_worker_thread_failed_is_compiled_again_in_turn(instal
         return parse(*args, **kwargs)
 
     monkeypatch.setattr(ast, "parse", racing_parse)
-    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2), config(64, 128, 32, 3)]
+    configs = [config(256, 128, 128, 4, num_warps=8), config(64, 64, 64, 3), config(128, 64, 64, 2),
+               config(64, 128, 32, 3)]
     tuned, (a, b, c) = tuned_elsewhere(configs)
     install_guard()
     with fake_gpu(90, max_shared=65536, cache_dir=f"{triton_cache}-parse-race"):

@@ -130,7 +130,7 @@ def run_child(*args: str, **env: str) -> subprocess.CompletedProcess:
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), *args], env=full_env,
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
-    assert "recovered with num_stages=3" in child.stderr
+    assert "compiled with num_stages=3 (32768 B) before it loaded" in child.stderr
     return child
 
 

@@ -79,7 +79,8 @@ def launches_by_specialization(kernel):
         return {"aligned": matmul_args(*matmul_operands(256, True, torch.float32)),
                 "misaligned": matmul_args(*matmul_operands(256, False, torch.float32)),
                 "N=1": matmul_args(torch.empty(256, 256), torch.empty(256, 1), torch.empty(256, 1))}
-    return {"aligned": matmul_args(*matmul_operands(256, True)), "misaligned": matmul_args(*matmul_operands(256, False))}
+    return {"aligned": matmul_args(*matmul_operands(256, True)),
+            "misaligned": matmul_args(*matmul_operands(256, False))}
 
 
 def test_check_reports_exactly_the_configs_a_launch_on_an_l4_rejects(results, triton_cache):
@@ -258,8 +259,8 @@ def test_help_teaches_targets_exit_status_and_the_json_schema(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["check", "--help"])
     text = capsys.readouterr().out
-    for expected in ("pkg.kernels:matmul", "kernels.py", "Exit status: 0", "1 when some kernel has none", "--examples --gpu L4,A100,H100",
-                     "smemguard.check/1", "SMEMGUARD_PREFLIGHT", "--one", "estimate"):
+    for expected in ("pkg.kernels:matmul", "kernels.py", "Exit status: 0", "1 when some kernel has none",
+                     "--examples --gpu L4,A100,H100", "smemguard.check/1", "SMEMGUARD_PREFLIGHT", "--one", "estimate"):
         assert expected in text, expected
 
 
@@ -362,7 +363,8 @@ def test_the_pruner_loads_without_the_offline_checker():
         import smemguard
         smemguard.fits, smemguard.fits_for
         print(sorted(name for name in sys.modules if name.startswith("smemguard")))
-        print(sorted(name for name in ("triton", "torch", "multiprocessing", "concurrent.futures") if name in sys.modules))
+        print(sorted(name for name in ("triton", "torch", "multiprocessing", "concurrent.futures")
+                     if name in sys.modules))
     """).stdout.splitlines()
     assert "'smemguard.pruning'" in loaded[0] and "preflight" not in loaded[0]
     assert loaded[1] == "[]", "importing the pruner imports neither Triton, torch nor the checker's process pool"

@@ -3,6 +3,8 @@
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,68 @@ def test_check_help_teaches_the_decisions_flag(capsys):
         cli.build_parser().parse_args(["check", "--help"])
     text = capsys.readouterr().out
     assert "--decisions l4-t4.json" in text and "smemguard cache import l4-t4.json" in text
+
+
+# -- Targets as a deploy gate reads them (issue 33) ----------------------------------------------------------
+
+DOT_KERNELS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot_tile(a_ptr, b_ptr, c_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm, rn, rk = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
+        b = tl.load(b_ptr + (k + rk)[:, None] * BLOCK_N + rn[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * BLOCK_N + rn[None, :], acc.to(tl.float16))
+
+
+#: 196608 B at 4 stages on sm_89: over an L4's 101376 B; 3 stages fit.
+CONFIG = triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), num_stages=4, num_warps=4)
+SMEMGUARD_PREFLIGHT = {"dot_tile": {"dtype": "fp16", "configs": [CONFIG]}}
+'''
+
+
+def test_a_submodule_exiting_at_import_neither_passes_the_gate_nor_hides_the_rest(tmp_path):
+    """``check PACKAGE`` where one module calls ``sys.exit(0)`` at import and another holds a kernel that overflows
+    the L4: that module is skipped with one line, the kernel is checked, exit status 1 (no fitting config)."""
+    package = tmp_path / "gatepkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a_exits.py").write_text("import sys\nsys.exit(0)\n")
+    (package / "b_kernels.py").write_text(DOT_KERNELS)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(cli.__file__).parents[1])])}
+    done = subprocess.run([sys.executable, "-m", "smemguard.cli", "check", "gatepkg", "--gpu", "L4", "--quiet",
+                           "--jobs", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "smemguard check: skipping gatepkg.a_exits: it calls sys.exit(0) at import" in done.stderr
+    assert "NO FITTING CONFIG: gatepkg.b_kernels:dot_tile" in done.stdout
+
+
+def test_decisions_checked_from_a_file_apply_where_the_file_is_imported(tmp_path, monkeypatch, install_guard,
+                                                                       triton_cache):
+    """``check FILE.py --decisions`` keys the decisions to the module the file is at run time (its stem), so a
+    program importing it compiles the fitting variant first."""
+    source = tmp_path / "kernels_here" / "dot_kernels.py"
+    source.parent.mkdir()
+    source.write_text(DOT_KERNELS)
+    monkeypatch.syspath_prepend(str(source.parent))
+    path = tmp_path / "decisions.json"
+    assert check_decisions([str(source)], "L4", path, monkeypatch) == 1
+    assert {entry["kernel"] for entry in json.loads(path.read_text())["compile"].values()} == {"dot_kernels:dot_tile"}
+    import dot_kernels
+
+    def launch():
+        a, b, c = (torch.empty(128, 256, dtype=torch.float16), torch.empty(256, 128, dtype=torch.float16),
+                   torch.empty(128, 128, dtype=torch.float16))
+        dot_kernels.dot_tile[(1,)](a, b, c, 256, **dot_kernels.CONFIG.all_kwargs())
+
+    ran, compiled, incidents = launch_once(install_guard, imported(path, tmp_path / "imported"),
+                                           tmp_path / "decided.jsonl", "L4", triton_cache, launch)
+    assert ran[0] < 4
+    assert_compiled_directly(ran, compiled, incidents)

@@ -15,7 +15,7 @@ from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid, w
 
 N = 256
 
-from conftest import records
+from conftest import records  # noqa: E402
 
 
 def aligned_and_misaligned(n=N):
@@ -379,7 +379,8 @@ def test_an_unwritable_incident_log_warns_once_and_recovery_goes_on(install_guar
     blocked.write_text("a file where the log directory should be")
     aligned, _ = aligned_and_misaligned()
     b, c = operands()
-    with caplog.at_level("WARNING", logger="smemguard"), fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
+    with caplog.at_level("WARNING", logger="smemguard"), \
+            fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
         for tile, depth in ((64, 64), (128, 32)):  # both need 49152 B with 4 stages
             matmul_kernel[(4, 4)](*matmul_args(aligned, b, c), BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=depth, num_stages=4)
         assert [launch.num_stages for launch in gpu.launches] == [3, 3]

@@ -98,7 +98,8 @@ def test_the_program_and_the_python_processes_it_starts_are_guarded(tmp_path, tr
         int(spawned_pid), "stages_reduced", True)
     [warning] = [line for line in err.splitlines() if line.startswith("smemguard")]
     assert warning.startswith("smemguard: smemguard.examples:matmul_kernel: shared memory 49152 > 40000 B")
-    assert "recovered with num_stages=3" in warning and f"#{record['id']}" in warning
+    assert "compiled with num_stages=3 (32768 B) before it loaded" in warning and f"#{record['id']}" in warning
+    assert record["phase"] == "compile", "the compile-time core fitted it: the launch never raised"
 
 
 def test_the_program_keeps_its_input_output_exit_status_and_signals(tmp_path):

@@ -131,7 +131,8 @@ def test_the_api_server_shows_smemguard_at_metrics_with_prometheus_multiproc_dir
             server.wait()
     from prometheus_client.parser import text_string_to_metric_families
 
-    [info] = [s for family in text_string_to_metric_families(body) for s in family.samples if s.name == "smemguard_info"]
+    [info] = [s for family in text_string_to_metric_families(body) for s in family.samples
+              if s.name == "smemguard_info"]
     assert info.value == 1 and info.labels["mode"] == "on" and info.labels["limit"] == "device"
     assert info.labels["version"] == smemguard.__version__ and info.labels["triton"] == triton.__version__
     assert "vllm:" in body, "vLLM's own series are there too"
@@ -160,9 +161,10 @@ def test_smemguard_run_guards_every_vllm_process_without_the_plugin(tmp_path):
     program.write_text(f"""if __name__ == "__main__":
     import os
     from vllm import LLM, SamplingParams
-    llm = LLM(model={tiny_llama(tmp_path / "model")!r}, load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
-              enforce_eager=True, dtype="float32", max_num_seqs=2, gpu_memory_utilization=0.3)
-    out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9]}}], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    llm = LLM(model={tiny_llama(tmp_path / "model")!r}, load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=128, enforce_eager=True, dtype="float32", max_num_seqs=2, gpu_memory_utilization=0.3)
+    out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9]}}],
+                       SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
     print("front end", os.getpid(), "tokens", len(out[0].outputs[0].token_ids))
 """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SMEMGUARD", "VLLM", "PYTHON"))}
@@ -175,4 +177,5 @@ def test_smemguard_run_guards_every_vllm_process_without_the_plugin(tmp_path):
     guarded = dict(line.split() for line in (tmp_path / "probe.txt").read_text().splitlines())
     assert set(guarded.values()) == {"True"}, guarded
     assert front_end in guarded and len(guarded) >= 3, "the front end, the engine core and its worker imported Triton"
-    assert f"smemguard {smemguard.__version__} guarding Triton" not in done.stderr, "no plugin loaded: the guard is run's"
+    assert f"smemguard {smemguard.__version__} guarding Triton" not in done.stderr, \
+        "no plugin loaded: the guard is run's"

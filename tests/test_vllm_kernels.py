@@ -21,7 +21,7 @@ from smemguard.patches import (  # noqa: E402
 )
 from smemguard.testing import fake_gpu  # noqa: E402
 
-from conftest import records
+from conftest import records  # noqa: E402
 
 
 def vllm_kernel_module():
@@ -253,7 +253,8 @@ def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, i
 
 def test_mla_decode_on_a_t4_is_reraised_with_its_tiles_kept(install_guard, incident_log, triton_cache):
     """DeepSeek-V2-Lite / Moonlight decode (16 heads, 576-wide latent heads) through TritonMLA, the only MLA backend
-    on Turing: 102400 B at 2 stages and at 1 (sm_75 pipelines nothing). Its KV tile (BLOCK_N 32) could be halved safely, but 16 still needs
+    on Turing: 102400 B at 2 stages and at 1 (sm_75 pipelines nothing). Its KV tile (BLOCK_N 32) could be
+    halved safely, but 16 still needs
     69632 B; BLOCK_H is in the caller's tuple grid and already at tl.dot's 16. docs/BENCHMARKS.md, vLLM kernel scan."""
     module = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
     batch, heads, lk, lv, page, seq, splits = 2, 16, 576, 512, 16, 256, 4
@@ -272,7 +273,8 @@ def test_mla_decode_on_a_t4_is_reraised_with_its_tiles_kept(install_guard, incid
     assert record["action"] == "reraised" and "tile sizes of a plain @triton.jit kernel are never changed" in record[
         "reason"]
     assert record["skipped"] == ["num_stages=1: Triton pipelines nothing before sm_80, stages change no byte"]
-    assert len(record["attempts"]) == 1 and record["compiles"] == 0, "nothing compiled: no tile of its tuple grid touched"
+    assert len(record["attempts"]) == 1 and record["compiles"] == 0, \
+        "nothing compiled: no tile of its tuple grid touched"
 
 
 # -- prefix prefill: smaller BLOCK_M/BLOCK_N alternatives, grid recomputed ------------------------------
@@ -325,7 +327,8 @@ def test_prefix_prefill_on_a_t4_runs_a_smaller_block_with_its_grid_recomputed(he
 
 
 def moe(module, config, tokens=256, experts=8, n=3584, k=4096, top_k=2):
-    """vLLM's invoke_fused_moe_triton_kernel with sorted_token_ids padded to BLOCK_SIZE_M, as moe_align_block_size does."""
+    """vLLM's invoke_fused_moe_triton_kernel with sorted_token_ids padded to BLOCK_SIZE_M, as
+    moe_align_block_size does."""
     import triton.language as tl
 
     block_m = config["BLOCK_SIZE_M"]
@@ -357,7 +360,8 @@ def test_fused_moe_changes_only_stages_never_block_size_m(install_guard, inciden
     stages, nothing_fits = records(incident_log)[-2:]
     assert stages["action"] == "stages_reduced" and nothing_fits["action"] == "reraised"
     # At 16384 B one stage of the 64x256x64 tiles (40960 B) is too big by the calibrated estimate: not compiled.
-    assert nothing_fits["skipped"] == ["num_stages=1 to 3: at least 40960 B, one stage of its tiles (calibrated estimate)"]
+    assert nothing_fits["skipped"] == ["num_stages=1 to 3: at least 40960 B, "
+                                       "one stage of its tiles (calibrated estimate)"]
     for record in (stages, nothing_fits):
         changed = {token.split("=")[0] for attempt in record["attempts"][1:] for token in attempt["changes"].split()}
         assert changed <= {"num_stages"}, "only num_stages differs between attempts"

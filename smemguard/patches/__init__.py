@@ -43,13 +43,14 @@ log = logging.getLogger(__name__)
 
 #: The Triton releases smemguard was read and tested against as a whole; a Triton patch may
 #: declare a narrower ``SUPPORTED`` (it is then skipped outside it, the rest still applies).
-TRITON = Supported("triton", (3, 4), (3, 10), label="Triton")
+TRITON = Supported("triton", (3, 4), (3, 9), label="Triton")
 
 #: Every patch module, in the order they are applied (and removed in reverse).
 MODULES = (
     "max_shared_mem",
     "autotuner_bench",
     "jit_compile",
+    "triton_compile",
     "kernel_interface",
     "kernel_warmup",
     "vllm_batch_invariant",
@@ -85,6 +86,9 @@ class PatchContext:
     #: (Inductor's CachingAutotuner, before it loads its compile results) -> None; replaces those the decision
     #: cache holds a fitting variant of (so none fails to load); never raises
     on_inductor_load: Callable[..., Any]
+    #: (Triton's compile, its args, its kwargs, the kernel it returned) -> that kernel, or a fewer-stage compile
+    #: of it that fits the device it will load on; never raises
+    on_compiled: Callable[..., Any]
 
 
 def modules() -> tuple[ModuleType, ...]:

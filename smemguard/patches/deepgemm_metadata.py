@@ -70,7 +70,7 @@ TARGET = f"{TARGET_MODULE}.{FUNCTION}"
 #: Every module path vLLM has defined the wrapper in.
 TARGET_MODULES = (TARGET_MODULE,)
 _LAYER = Layer(TARGET_MODULE, FUNCTION, rebind=True)  # the MLA indexer imports the function by name
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
 OBSERVE_SAFE = False  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
 
 KERNEL = "deep_gemm:get_paged_mqa_logits_metadata"

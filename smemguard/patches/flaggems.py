@@ -50,7 +50,7 @@ MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backen
 
 TARGET = "flag_gems.utils.libentry.LibTuner"
 TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
-SUPPORTED = Supported("flag_gems", (5, 0), (5, 1), label="FlagGems")
+SUPPORTED = Supported("flag_gems", (5, 0), (5, 0), label="FlagGems")
 OBSERVE_SAFE = True  # describes layers and registers fallbacks: in observe mode the engine records and re-raises
 CHECKED = "5.0.2"
 

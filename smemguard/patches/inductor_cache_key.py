@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "torch.compiler.config.cache_key_tag"
 TARGET_MODULES = ("torch.compiler.config",)
-SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
 OBSERVE_SAFE = True  # observe mode emulates the limit too: its compiles must not mix with the full GPU's
 
 _SEPARATOR = ","

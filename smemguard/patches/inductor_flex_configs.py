@@ -15,7 +15,8 @@ head dimension rounded up to a power of two as Inductor pads it. (Measured on th
 D=256 bf16 at (64, 64, 64, 64) is exactly that, 131072 B, at one stage; the forward needs more than its bound.)
 A config whose bound reaches the limit cannot fit at any stage count: it is replaced, before rendering, by
 the same config with every block above 16 halved together (powers of two: the backward's ``BLOCK_N1 %
-BLOCK_M1`` and ``BLOCK_M2 % BLOCK_N2`` still hold), the largest whose bound fits; its stages and warps stay, and the load
+BLOCK_M1`` and ``BLOCK_M2 % BLOCK_N2`` still hold), the largest whose bound fits; its stages and warps stay,
+and the load
 patch lowers the stages if they still do not fit. A config that may fit is never touched, so a GPU where
 Inductor's table fits compiles exactly what it compiled before. Smaller FlexAttention blocks give results
 within FlexAttention's own tolerances, not bitwise the same (the softmax adds in another order). One
@@ -41,13 +42,15 @@ Inductor's FX graph cache keys a compiled graph by the device's name, not by a l
 
 Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
 ``(block_m, block_n, num_stages, num_warps)`` and ``FlexBwDConfig(block_m1, block_n1, block_m2, block_n2,
-num_stages, num_warps)``, dataclasses; ``get_flex_attn_*_configs(self, head_dim, dtype)``); read in 2.8,
-where the module is ``torch/_inductor/template_heuristics.py``.
+num_stages, num_warps)``, dataclasses; ``get_flex_attn_*_configs(self, head_dim, dtype)``), 2.14.1 and 2.15.0
+(``torch/_inductor/heuristics/template/triton.py``, the forward's ``(self, head_dim, seq_len, dtype)``: the
+arguments are read by name); read in 2.8, where the module is ``torch/_inductor/template_heuristics.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 import threading
@@ -60,11 +63,15 @@ from . import Layer, wrapt_layer
 
 log = logging.getLogger(__name__)
 
-#: Where Inductor's CUDA config heuristic lives: torch 2.9 and later, then 2.8.
-MODULES = ("torch._inductor.template_heuristics.triton", "torch._inductor.template_heuristics")
-TARGET = f"{MODULES[0]}.CUDAConfigHeuristic.get_flex_attn_fwd_configs"
+#: Where Inductor's CUDA config heuristic lives: torch 2.14 and later (the module Inductor imports; the old name
+#: is a shim Inductor never imports, so a hook on it alone never fires), 2.9 to 2.13, then 2.8.
+MODULES = ("torch._inductor.heuristics.template.triton", "torch._inductor.template_heuristics.triton",
+           "torch._inductor.template_heuristics")
+#: The target in each of them (one per release family); TARGET names it where torch 2.9 to 2.13 have it.
+TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for module in MODULES)
+TARGET = TARGETS[1]
 TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
 OBSERVE_SAFE = False  # changes the tiles Inductor renders
 
 PASSES = {"forward": "get_flex_attn_fwd_configs", "backward": "get_flex_attn_bwd_configs"}
@@ -144,12 +151,24 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
                    "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
 
 
+def _head_dim_and_dtype(wrapped, args, kwargs) -> tuple:
+    """The heuristic's ``head_dim`` and ``dtype``, read by name: torch 2.14 put ``seq_len`` between them in the
+    forward's (``(head_dim, seq_len, dtype)``; 2.13: ``(head_dim, dtype)``)."""
+    arguments = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+    return arguments["head_dim"], arguments["dtype"]
+
+
 def _wrapper(kind: str):
     def offer(wrapped, instance, args, kwargs):
         configs = wrapped(*args, **kwargs)
-        head_dim, dtype = (list(args) + [kwargs.get("head_dim"), kwargs.get("dtype")])[:2]
-        return Steps(f"FlexAttention {kind}").run("offer tiles that can fit", _offer_fitting, kind, list(configs),
-                                                 head_dim, dtype, otherwise=lambda: configs)
+        steps = Steps(f"FlexAttention {kind}")
+        read = steps.run("read the heuristic's arguments", _head_dim_and_dtype, wrapped, args, kwargs,
+                         otherwise=lambda: None)
+        if read is None:
+            return configs
+        head_dim, dtype = read
+        return steps.run("offer tiles that can fit", _offer_fitting, kind, list(configs), head_dim, dtype,
+                         otherwise=lambda: configs)
 
     return offer
 
@@ -169,7 +188,16 @@ def patch(context) -> None:
         layered.add(id(owner))
         for kind, name in PASSES.items():
             if hasattr(owner, name):
+                _check_parameters(owner, name)
                 _layers[(module, name)].add(wrapt_layer(_WRAPPERS[kind]))
+
+
+def _check_parameters(owner, name: str) -> None:
+    """The patch-time check: the heuristic takes ``head_dim`` and ``dtype`` by those names."""
+    parameters = inspect.signature(getattr(owner, name)).parameters
+    if not {"head_dim", "dtype"} <= set(parameters):
+        raise TypeError(f"{owner.__qualname__}.{name}{inspect.signature(getattr(owner, name))} takes no head_dim and "
+                        "dtype parameters")
 
 
 def unpatch() -> None:

@@ -12,7 +12,8 @@ L4 or A10G given FlexAttention's A100 configs; pytorch #133254, #180278, #175250
 
 What: before Inductor loads, a config the decision cache holds a fitting variant of (decided by an
 earlier process) is replaced by that variant, compiled through Inductor (``context.on_inductor_load``,
-:func:`smemguard.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises for a resource that does not fit (shared memory, threads), the
+:func:`smemguard.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises
+for a resource that does not fit (shared memory, threads), the
 engine (``context.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
 variants of the configs Inductor had compiled (smaller blocks for pointwise and reduction kernels),
 through Inductor's own ``_precompile_config`` and ``make_launcher``, and leaves the ones that load as
@@ -36,7 +37,7 @@ from . import Layer, wrapt_layer
 
 TARGET = "torch._inductor.runtime.triton_heuristics.CachingAutotuner._make_launchers"
 TARGET_MODULES = ("torch._inductor.runtime.triton_heuristics",)
-SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
 OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
 
 _LAYER = Layer(TARGET_MODULES[0], "CachingAutotuner._make_launchers")

@@ -30,7 +30,7 @@ from . import Layer, wrapt_layer
 MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.runtime.static_cuda_launcher")
 TARGET = f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_kernel"
 TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 14), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
 OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
 
 #: The C++ loader checks only kernels above the 48 KiB every CUDA GPU gives without opting in.

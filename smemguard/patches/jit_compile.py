@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "triton.runtime.jit.JITFunction._do_compile"
 TARGET_MODULES = ("triton",)
-SUPPORTED = Supported("triton", (3, 5), (3, 10), label="Triton")
+SUPPORTED = Supported("triton", (3, 5), (3, 9), label="Triton")
 OBSERVE_SAFE = False  # compiles remembered replacements instead of what was asked for
 
 _LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")

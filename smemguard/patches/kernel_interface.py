@@ -51,7 +51,7 @@ def _guarded_getitem(out_of_resources, on_out_of_resources, triton_getitem):
 
                 def launch(*args, **kwargs):
                     try:
-                        return self.run(grid=grid, warmup=False, *args, **kwargs)
+                        return self.run(*args, grid=grid, warmup=False, **kwargs)
                     except out_of_resources as error:
                         again = functools.partial(self.run, *args, grid=grid, warmup=False, **kwargs)
                         return on_out_of_resources(self, grid, args, kwargs, error, again)

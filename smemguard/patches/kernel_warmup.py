@@ -40,7 +40,7 @@ from . import Layer, bound
 
 TARGET = "triton.runtime.jit.KernelInterface.warmup"
 TARGET_MODULES = ("triton",)
-SUPPORTED = Supported("triton", (3, 6), (3, 10), label="Triton")
+SUPPORTED = Supported("triton", (3, 6), (3, 9), label="Triton")
 OBSERVE_SAFE = False  # it puts replacements into the JIT cache
 
 _LAYER = Layer("triton.runtime.jit", "KernelInterface.warmup")

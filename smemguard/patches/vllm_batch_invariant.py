@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "vllm.model_executor.determinism.batch_invariant.matmul_kernel_persistent"
 TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
 OBSERVE_SAFE = True  # registers a fallback only: in observe mode the engine records and re-raises anyway
 KERNEL = "matmul_kernel_persistent"
 _EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}

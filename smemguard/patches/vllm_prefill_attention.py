@@ -49,7 +49,7 @@ TILE_CHOICE = "get_block_size"
 KERNEL = "_fwd_kernel"
 TARGET = f"{TARGET_MODULE}.{WRAPPER}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
 OBSERVE_SAFE = False  # changes the tile that runs
 
 _KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}

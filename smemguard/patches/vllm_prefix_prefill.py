@@ -41,7 +41,7 @@ TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
 KERNEL = "_fwd_kernel"
 TARGET = f"{TARGET_MODULE}.{KERNEL}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
 OBSERVE_SAFE = True  # registers alternatives only: in observe mode the engine records and re-raises anyway
 
 #: (BLOCK_M, BLOCK_N), largest first; the wrapper's own is (128, 64).

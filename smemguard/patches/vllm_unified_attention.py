@@ -54,7 +54,7 @@ TILE_CHOICE = "_get_tile_size"
 KERNEL = "kernel_unified_attention"
 TARGET = f"{TARGET_MODULE}.{WRAPPER}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
 OBSERVE_SAFE = False  # changes the tile that runs
 
 _TILE_CHOICE_PARAMETERS = ("head_size", "sliding_window", "element_size", "is_prefill")
@@ -103,5 +103,6 @@ def _check(module, kernel) -> None:
 CHOICE = TileChoice(
     module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="TILE_SIZE",
     shape_fields=_TILE_CHOICE_PARAMETERS, choice_shape=_choice_shape, launch_shape=_launch_shape,
-    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE), check=_check)
+    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE),
+    check=_check)
 applies, patch, unpatch, is_patched = CHOICE.applies, CHOICE.patch, CHOICE.unpatch, CHOICE.is_patched

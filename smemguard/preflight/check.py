@@ -363,7 +363,8 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                         # The calibration launches had unit inner strides, as *x.stride() passes them for
                         # contiguous tensors; other strides change what can be pipelined. Nor is the stage
                         # count the option's where the kernel writes its loops' depth itself.
-                        if not exact and spec.unit_guess in (None, BY_ORDER) and not knobs_of(kernel.jit).writes_depth():
+                        if not exact and spec.unit_guess in (None, BY_ORDER) \
+                                and not knobs_of(kernel.jit).writes_depth():
                             item.interval = estimate(item.request, spec)
                     items[(k, v, spec.name, arch)] = item
                     group_items.append(item)
@@ -398,7 +399,8 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                         item.retried = True
                         in_flight[compiler.submit(item.kernel.jit, item.request)] = item
                         continue
-                    item.result = {"shared": None, "error": f"compiler process failed: {introspect.error_summary(error)}",
+                    item.result = {"shared": None,
+                                   "error": f"compiler process failed: {introspect.error_summary(error)}",
                                    "seconds": 0.0}
                 else:
                     cache.put(item.request.key, {**item.result, "kernel": item.kernel.jit_name,

@@ -44,10 +44,25 @@ def is_device_function(obj) -> bool:
 
 
 def _load_file(path: Path) -> ModuleType:
-    """Import a kernel file under a name of its own (a file called ``triton.py`` must not shadow Triton)."""
-    name = f"smemguard_check_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
+    """Import a kernel file as the module its stem names, as a program beside it imports it (``kernels.py``:
+    ``kernels``), so that its kernels carry the names they have at run time and ``--decisions`` keys them so.
+    A stem that is not a module name, or names a module already imported from elsewhere (a file called
+    ``triton.py`` must not shadow Triton), gets a name of its own; its decisions then apply only to a program
+    that loads it under that name, and one line says so."""
+    stem = path.stem
+    loaded = sys.modules.get(stem)
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+        return loaded
+    if stem.isidentifier() and loaded is None and _only_this_file(stem, path):
+        name = stem
+    else:
+        name = (f"smemguard_check_{re.sub(r'[^0-9A-Za-z_]', '_', stem)}"
+                f"_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}")
+        if name in sys.modules:
+            return sys.modules[name]
+        log.warning("smemguard check: %s is loaded as %s (%r is %s): decisions written for its kernels apply "
+                    "to a program that imports it under that name only", path, name, stem,
+                    "not a module name" if not stem.isidentifier() else "another module")
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise TargetError(f"{path} is not a Python file")
@@ -62,6 +77,15 @@ def _load_file(path: Path) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def _only_this_file(name: str, path: Path) -> bool:
+    """Whether importing ``name`` finds nothing, or ``path`` itself."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is None or (spec.origin is not None and Path(spec.origin).resolve() == path)
 
 
 def _import(module_name: str, file: str | None) -> ModuleType:
@@ -193,22 +217,34 @@ def _module_kernels(module: ModuleType, label: str, file: str | None, defined_he
 
 
 def _package_modules(package: ModuleType) -> list[ModuleType]:
-    """Every module of ``package``, its subpackages' too, in name order. One that cannot be imported is
-    skipped with one warning line: the package was named, not that module."""
-    import pkgutil
+    """Every module of ``package``, its subpackages' too, in name order. One that cannot be imported (a
+    module calling ``sys.exit()`` at import included: it must neither pick the check's exit status nor hide
+    the package's other modules) is skipped with one warning line: the package was named, not that module."""
+    modules = {}
 
-    def unreadable(name: str) -> None:
-        log.warning("smemguard check: skipping %s: it cannot be imported", name)
+    def walk(package_path, prefix: str) -> None:
+        import pkgutil
 
-    modules = []
-    for info in sorted(pkgutil.walk_packages(package.__path__, f"{package.__name__}.", onerror=unreadable),
-                       key=lambda info: info.name):
-        try:
-            modules.append(importlib.import_module(info.name))
-        except Exception as error:
-            log.warning("smemguard check: skipping %s: it cannot be imported (%s)", info.name,
-                        introspect.error_summary(error))
-    return modules
+        for info in sorted(pkgutil.iter_modules(package_path, prefix), key=lambda info: info.name):
+            module = _import_or_skip(info.name)
+            if module is None:
+                continue
+            modules[info.name] = module
+            if info.ispkg and hasattr(module, "__path__"):
+                walk(module.__path__, f"{info.name}.")
+
+    walk(package.__path__, f"{package.__name__}.")
+    return [modules[name] for name in sorted(modules)]
+
+
+def _import_or_skip(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except (Exception, SystemExit) as error:
+        why = (f"it calls sys.exit({error.code!r}) at import" if isinstance(error, SystemExit)
+               else f"it cannot be imported ({introspect.error_summary(error)})")
+        log.warning("smemguard check: skipping %s: %s", name, why)
+        return None
 
 
 def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKernel | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import incidents, introspect
-from ..estimate import ELEMENT_BYTES, FITS, OVERFLOWS  # the estimate decides in the check's own words
+from ..estimate import ELEMENT_BYTES, FITS, OVERFLOWS  # noqa: F401  (re-exported: the estimate decides in the check's own words)
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"

@@ -64,7 +64,7 @@ def format_table(report: Report) -> str:
 
 def format_summary(report: Report) -> str:
     lines = []
-    for k, kernel in enumerate(report.kernels):
+    for kernel in report.kernels:
         specs = ", ".join(spec.name + (f" ({', '.join(spec.ones)} = 1)" if len(spec.ones) > 1 else "")
                           for spec in kernel.specializations)
         unit = f"; always 1: {', '.join(kernel.unit_args)}" if kernel.unit_args else ""
@@ -93,7 +93,8 @@ def format_summary(report: Report) -> str:
     errors: dict[str, list[str]] = {}
     for (k, v, spec, gpu), verdict in report.verdicts.items():
         if verdict.verdict == ERROR:
-            where = f"{report.kernels[k].name.rsplit(':', 1)[-1]} {report.kernels[k].variants[v].label()} [{spec}] on {gpu}"
+            where = (f"{report.kernels[k].name.rsplit(':', 1)[-1]} {report.kernels[k].variants[v].label()} "
+                     f"[{spec}] on {gpu}")
             errors.setdefault(verdict.error or "unknown error", []).append(where)
     if errors:
         lines.append("")
@@ -104,8 +105,8 @@ def format_summary(report: Report) -> str:
     counts = report.counts()
     lines.append("")
     lines.append(f"verdicts: {counts[MEASURED]} measured by compiling now, {counts[CACHED]} measured earlier (cache), "
-                 f"{counts[ESTIMATED]} estimated (~, calibrated bound at least {ESTIMATE_MARGIN:.0%} from the limit, or "
-                 f"the bytes of the same config at other num_stages where stages change nothing); "
+                 f"{counts[ESTIMATED]} estimated (~, calibrated bound at least {ESTIMATE_MARGIN:.0%} from the limit, "
+                 f"or the bytes of the same config at other num_stages where stages change nothing); "
                  f"{report.compiles} compiles in {report.seconds:.1f} s")
     lines.append("cells: required bytes and verdict in the worst specialization ([name] when they differ); "
                  "--json has every one")

@@ -1,0 +1,243 @@
+"""The compile-time core: a kernel that will not fit is compiled again with fewer stages before anything
+loads it (``patches/triton_compile``, on Triton's public ``triton.compile``).
+
+Every Triton kernel is compiled by ``triton.compile(src, target, options)``: plain launches, autotuners
+and library tuners, warm-ups, Inductor's templates, pointwise and user kernels. The compiled kernel's
+``metadata.shared`` is known there, before Triton's load check (``CompiledKernel._init_handles``) would
+raise ``OutOfResources``. When it exceeds the limit of the device the kernel will load on (the emulated
+limit under ``SMEMGUARD_MAX_SHARED``), :func:`fit` compiles the same source with fewer stages, the
+kernel's pipeline-depth parameters lowered with them (:mod:`smemguard.knobs`, as the ladder does), and
+hands the caller the variant that fits: the same tiles, the same grid, the same answer bitwise (only
+pipelining changed). Nothing of the caller's is involved, so no release of torch, vLLM or a library can
+step around it.
+
+Rules, and why:
+
+* **The device.** The limit is read only for a compile whose target is the current device's (``target``
+  None, or equal to it) in a process that uses its GPU: Triton's driver is active, or torch has initialised
+  CUDA (Inductor's parent, which loads what it compiles). A cross-compile (another arch) or a compile-only
+  process (Inductor's compile workers, which start neither) is left as compiled: nothing there says which
+  GPU will load it. The process that loads it compiles the same
+  source again from Triton's cache (Inductor's parent does, in ``_precompile_config``) and is fitted
+  there; the launch guard and the Inductor load patch remain behind it.
+* **Threads** are known only when the kernel loads (the device's thread limit is not a compile input):
+  a kernel with too many warps is left to the launch guard, which lowers its warps.
+* **The autotuner's benchmark** (``Autotuner._bench``, a library tuner's, Inductor's) times each config as
+  the kernel that will run: the JIT caches the fitting variant under the config's own key, so a config
+  chosen for its fewer-stage variant's time launches exactly what was timed. (Before the core, an
+  overflowing config had to count as failed, since its launch would have raised; timing its variant instead
+  raises nothing and can only choose a faster kernel that fits.) A config the decision cache stores as
+  switched away from is still refused before compiling there (``patches/jit_compile``).
+* **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
+  compile variants that must be measured as they are: the core stands aside while one runs
+  (:data:`smemguard.runtime.engine_compiling`, process-wide, since the ladder compiles on a pool).
+* **What stages cannot fix** (a kernel with no loop to pipeline, a loop with its own fixed depth, one
+  stage already, or a source that is not a Triton function) is returned as compiled, for the launch
+  guard to decide (other configs, alternatives, fallbacks).
+
+One incident record per case (``phase: "compile"``, ``launched_as: "triton.compile"``), counted in the
+metrics, and a ``compile`` decision keyed as the launch guard keys it: the next process's JIT compiles
+the fitting variant first (``patches/jit_compile``), and this one compiles it from the store when Triton
+has no ``_do_compile`` (3.4) or the caller is not the JIT (Inductor). At most ``stages - 1`` compiles, one
+or two when the bytes per stage are linear (the usual case), none from a stored decision but the variant's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from . import decisions, incidents, introspect, recall, runtime
+from .decision import STAGES_REDUCED
+from .internal import Steps, StepFailed
+
+log = logging.getLogger(__name__)
+
+SHARED = "shared memory"
+LAUNCHED_AS = "triton.compile"
+
+
+def fit(compile_fn, args: tuple, kwargs: dict, kernel, settings):
+    """``kernel`` (what ``compile_fn(*args, **kwargs)`` returned), or a fewer-stage compile of the same
+    source that fits the device it will load on. Never raises."""
+    try:
+        overflow = _overflow(args, kwargs, kernel)
+    except Exception:
+        log.debug("smemguard: could not read the compiled kernel's fit", exc_info=True)
+        return kernel
+    if overflow is None:
+        return kernel
+    steps = Steps(_name(args))
+    try:
+        return _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps)
+    except StepFailed:  # logged where it failed: the kernel is handed on as compiled, the launch guard behind it
+        return kernel
+    except Exception:
+        steps.note("fit the compiled kernel", "it is handed on as compiled")
+        return kernel
+
+
+def _name(args) -> str:
+    source = args[0] if args else None
+    return introspect.kernel_name(getattr(source, "fn", None) or "a compiled kernel")
+
+
+def _bound(args: tuple, kwargs: dict):
+    """(source, target, options, the other keywords) of a ``compile(src, target=None, options=None, ...)`` call."""
+    names = ("src", "target", "options")
+    bound = dict(zip(names, args))
+    rest = {name: value for name, value in kwargs.items() if name not in names}
+    bound.update({name: kwargs[name] for name in names if name in kwargs})
+    return bound.get("src"), bound.get("target"), bound.get("options"), rest
+
+
+def _overflow(args, kwargs, kernel) -> tuple[int, int, int] | None:
+    """(device, the bytes it needs, the limit) when ``kernel`` will not fit the current device; else None."""
+    if runtime.engine_compiling:
+        return None
+    metadata = getattr(kernel, "metadata", None)
+    shared = getattr(metadata, "shared", None)
+    if not isinstance(shared, int):
+        return None
+    from triton.runtime import driver
+
+    if getattr(driver, "_active", True) is None and not _gpu_in_use():
+        return None  # a compile-only process (a compile worker): no device to read a limit from
+    _, target, _, _ = _bound(args, kwargs)
+    if target is not None and target != driver.active.get_current_target():
+        return None  # a cross-compile: not for this device
+    device = runtime.current_device()
+    limit = runtime.effective_limit(device)
+    return (device, shared, limit) if shared > limit else None
+
+
+def _gpu_in_use() -> bool:
+    """Whether this process already uses its GPU through torch (Inductor's parent process, which loads what it
+    compiles), so that starting Triton's driver here initialises nothing new."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
+    from triton.compiler.compiler import ASTSource
+
+    from .knobs import OptionIsAParameter, knobs_of, lowered_constexprs
+
+    device, required, limit = overflow
+    source, target, options, rest = _bound(args, kwargs)
+    stages = kernel.metadata.num_stages
+    jit = getattr(source, "fn", None)
+    if not isinstance(source, ASTSource) or stages <= 1 or jit is None:
+        return kernel
+    if steps.run("read the kernel's loops", lambda: knobs_of(jit).stages_futile(), otherwise=lambda: None):
+        return kernel
+    started = time.perf_counter()
+    case = steps.run("key the variant", _case, jit, kernel, device)
+    stored = steps.run("read the decision cache", _stored_stages, case, stages, kernel, settings,
+                       otherwise=lambda: None)
+    attempts = []
+
+    def compile_at(count: int):
+        try:
+            constants = lowered_constexprs(jit, source.constants, {"num_stages": count})
+        except OptionIsAParameter:
+            return None
+        variant = ASTSource(jit, source.signature, constants, source.attrs)
+        compiled = compile_fn(variant, target, {**(options or {}), "num_stages": count}, **rest)
+        lowered = {jit.arg_names[path[0]]: value for path, value in constants.items()
+                   if source.constants.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
+        attempts.append({"num_stages": count, **lowered, "shared": compiled.metadata.shared})
+        return compiled
+
+    with runtime.engine_compiling.scope():
+        fitted = compile_at(stored) if stored else None
+        if fitted is None or fitted.metadata.shared > limit:
+            fitted = _fewer_stages(compile_at, stages, required, limit)
+    if fitted is None or fitted.metadata.shared > limit:
+        return kernel
+    count = fitted.metadata.num_stages
+    final = ", ".join(f"{name}={value}" for name, value in next(attempt for attempt in reversed(attempts)
+                                                                  if attempt["num_stages"] == count).items()
+                      if name != "shared")
+    _record(jit, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started, settings,
+            steps)
+    if not stored:
+        steps.run("store the decision", _store, case, kernel, count, overflow, settings, otherwise=lambda: None)
+    runtime.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
+    return fitted
+
+
+def _fewer_stages(compile_at, stages: int, required: int, limit: int):
+    """The kernel at the most stages below ``stages`` that fit ``limit``: one stage fewer first, then the
+    count the bytes per stage predict (checked by compiling; one fewer again while it still overflows)."""
+    count, previous = stages - 1, (stages, required)
+    while count >= 1:
+        compiled = compile_at(count)
+        if compiled is None:
+            return None
+        shared = compiled.metadata.shared
+        if shared <= limit:
+            return compiled
+        per_stage = (previous[1] - shared) // max(previous[0] - count, 1)
+        if per_stage <= 0:  # fewer stages saved nothing: no count will fit
+            return None
+        predicted = count - -(-(shared - limit) // per_stage)  # ceil: enough stages dropped to fit
+        previous, count = (count, shared), min(count - 1, max(predicted, 1))
+    return None
+
+
+def _case(jit, kernel, device: int) -> tuple[str, dict]:
+    case = decisions.device_case(jit, decisions.compiled_variant_id(kernel), device)
+    return decisions.case_id(case), case
+
+
+def _stored_stages(case, stages: int, kernel, settings) -> int | None:
+    store = decisions.store(settings.cache_dir)
+    if store is None or not store.holds("compile"):
+        return None
+    key, _ = case
+    entry = store.get("compile", key)
+    if entry is None:
+        return None
+    why = recall.options_problem(entry["options"], stages, kernel.metadata.num_warps,
+                                 getattr(kernel.metadata, "warp_size", 32))
+    if why is not None or "num_warps" in entry["options"]:  # warps are the launch guard's to lower
+        return None
+    return entry["options"].get("num_stages")
+
+
+def _store(case, kernel, count: int, overflow, settings) -> None:
+    store = decisions.store(settings.cache_dir)
+    if store is None:
+        return
+    key, fields = case
+    device, required, _ = overflow
+    store.put("compile", key, {
+        "action": STAGES_REDUCED, "final": f"num_stages={count}", **decisions.provenance(),
+        "from_config": f"num_stages={kernel.metadata.num_stages}", "gpu": decisions.gpu_label(device),
+        "resource": SHARED, "required": required, "options": {"num_stages": count}, **fields})
+
+
+def _record(jit, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float, settings,
+            steps: Steps) -> None:
+    device, required, limit = overflow
+    name = introspect.kernel_name(jit)
+    stages = kernel.metadata.num_stages
+    code = jit.fn.__code__
+    record = {**incidents.new_record(name), "launched_as": LAUNCHED_AS, "phase": "compile",
+              **incidents.overflow_fields(device, SHARED, required, limit),
+              "action": STAGES_REDUCED, "final": final, "reason": None,
+              "source": f"{code.co_filename}:{code.co_firstlineno}", "source_hash": introspect.source_hash(jit),
+              "num_warps": kernel.metadata.num_warps, "num_stages": stages,
+              "attempts": [{"num_stages": stages, "shared": required}, *attempts],
+              "compiles": len(attempts), "internal_errors": len(steps.failed), "internal_steps": list(steps.failed),
+              "remembered": remembered,
+              "recovery_ms": round((time.perf_counter() - started) * 1000, 3)}
+    incidents.emit(record, settings.log_path, ("compile", name, device, limit, stages, required),
+                   "smemguard: %s: shared memory %d > %d B at num_stages=%d; compiled with %s (%d B) "
+                   "before it loaded, %d compile%s", name, required, limit, stages, final, fitted.metadata.shared,
+                   len(attempts), "" if len(attempts) == 1 else "s")

@@ -1,0 +1,151 @@
+"""The compile-time core at ``triton.compile``: a kernel that does not fit is compiled again with fewer stages
+before anything loads it, for any caller (Triton's real compiles for a stand-in L4, Triton's own load check)."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.compiler import compiler
+
+import smemguard
+from smemguard import runtime
+from smemguard.patches import triton_compile
+from smemguard.settings import Settings
+from smemguard.testing import fake_gpu
+
+from conftest import records
+from kernels import autotuned, config, matmul_args, matmul_kernel
+
+
+@contextlib.contextmanager
+def load_checks():
+    """The ``OutOfResources`` Triton's load check raises (``CompiledKernel._init_handles``), counted as it runs."""
+    raised = []
+    checked = compiler.CompiledKernel._init_handles
+
+    def counting(self):
+        try:
+            return checked(self)
+        except triton.runtime.errors.OutOfResources as error:
+            raised.append(error)
+            raise
+
+    compiler.CompiledKernel._init_handles = counting
+    try:
+        yield raised
+    finally:
+        compiler.CompiledKernel._init_handles = checked
+
+
+def operands():
+    return [torch.empty(256, 256, dtype=torch.float16) for _ in range(3)]
+
+
+def five_stages(kernel=matmul_kernel):
+    """131072 B at 5 stages on sm_89, 98304 at 4: an L4's 101376 B takes 4."""
+    kernel[(4, 4)](*matmul_args(*operands()), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
+
+
+def test_the_first_launch_of_a_plain_kernel_never_raises(install_guard, incident_log, tmp_path, triton_cache):
+    install_guard(core=True, cache_dir=tmp_path / "decisions")
+    with load_checks() as raised, fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        five_stages()
+    assert raised == [], "no OutOfResources at Triton's load check: the kernel that loaded fits"
+    assert [(launch.num_stages, launch.shared) for launch in gpu.launches] == [(4, 98304)]
+    [record] = records(incident_log)
+    assert (record["phase"], record["launched_as"], record["action"]) == ("compile", "triton.compile",
+                                                                          "stages_reduced")
+    assert (record["required"], record["limit_hit"], record["final"]) == (131072, 101376, "num_stages=4")
+    assert record["compiles"] == 1 and record["attempts"][-1] == {"num_stages": 4, "shared": 98304}
+    stored = json.loads((tmp_path / "decisions" / "decisions.json").read_text())["compile"]
+    [entry] = stored.values()
+    assert entry["options"] == {"num_stages": 4} and entry["kernel"] == "smemguard.examples:matmul_kernel"
+
+
+def test_the_next_process_compiles_the_fitting_variant_first(incident_log, tmp_path, triton_cache):
+    """The decision stored by the core is keyed as the JIT's compile-time patch reads it: a new install (a
+    new process's view of the store) compiles 4 stages, no incident; on Triton 3.4 (no ``_do_compile``) the
+    core applies it after one compile, remembered."""
+    settings = Settings(log_path=incident_log, cache_dir=tmp_path / "decisions")  # the core on, as by default
+    for _ in range(2):
+        assert smemguard.install(settings)
+        try:
+            with load_checks() as raised, fake_gpu("L4", cache_dir=triton_cache) as gpu:
+                five_stages()
+        finally:
+            smemguard.uninstall()
+        assert raised == [] and gpu.launches[-1].num_stages == 4
+    first, *again = records(incident_log)
+    assert first["remembered"] is False
+    if runtime.triton_release() >= (3, 5):
+        assert again == [], "the JIT compiled the stored variant: nothing overflowed"
+    else:
+        assert [(r["remembered"], r["compiles"]) for r in again] == [(True, 1)]
+
+
+def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guard, incident_log, triton_cache):
+    """Inside ``Autotuner._bench`` the core fits as anywhere: the 5-stage config is timed as its 4-stage variant
+    (cached under its own key), nothing raises, and whichever config wins launches exactly what was timed."""
+    too_big, fits = config(128, 128, 64, 5), config(64, 64, 64, 2)
+    kernel = autotuned([too_big, fits])
+    install_guard(core=True)
+    with load_checks() as raised, fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        gpu.bench_ms = iter([1.0, 2.0] * 100).__next__  # the too-big config's variant times fastest
+        kernel[lambda meta: (4, 4)](*matmul_args(*operands()))
+    assert raised == [], "no OutOfResources, not even inside the benchmark"
+    timings = {str(cfg): ms for cfg, ms in runtime.timings(kernel, next(iter(kernel.cache))).items()}
+    assert set(timings) == {str(too_big), str(fits)} and float("inf") not in timings.values()
+    assert (gpu.launches[-1].num_stages, gpu.launches[-1].shared) == (4, 98304), "the timed variant runs"
+    [record] = records(incident_log)
+    assert record["phase"] == "compile" and record["final"] == "num_stages=4"
+
+
+def test_a_cross_compile_is_left_as_compiled(install_guard, incident_log, triton_cache):
+    """A compile for another arch is not for this device: no limit applies to it here."""
+    install_guard(core=True)
+    with fake_gpu("L4", cache_dir=triton_cache):
+        compiled = matmul_kernel.warmup(*matmul_args(*operands()), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                        num_stages=2, grid=(1,))
+        other = triton.compile(compiled.src, target=triton.backends.compiler.GPUTarget("cuda", 80, 32),
+                               options={"num_stages": 5})
+    assert other.metadata.num_stages == 5 and other.metadata.shared > 101376
+    assert records(incident_log) == []
+
+
+@triton.jit
+def _no_loop(x_ptr, BLOCK: tl.constexpr):
+    """Holds a BLOCK x BLOCK fp32 tile in shared memory through a transpose, with no loop to pipeline."""
+    offsets = tl.arange(0, BLOCK)
+    tile = tl.load(x_ptr + offsets[:, None] * BLOCK + offsets[None, :])
+    tl.store(x_ptr + offsets[:, None] * BLOCK + offsets[None, :], tl.trans(tile))
+
+
+def test_what_stages_cannot_fix_is_left_to_the_launch_guard(install_guard, incident_log, triton_cache):
+    """No loop to pipeline: the core compiles nothing more, and the launch guard says why nothing fits."""
+    install_guard(core=True)
+    with fake_gpu("L4", max_shared=4096, cache_dir=triton_cache), pytest.raises(triton.runtime.errors.OutOfResources):
+        _no_loop[(1,)](torch.empty(64, 64), BLOCK=64)
+    [record] = records(incident_log)
+    assert record["phase"] == "launch" and record["action"] == "reraised"
+
+
+def test_smemguards_own_search_is_seen_by_the_threads_it_compiles_on():
+    """The ladder compiles candidates on a pool of threads: the core must stand aside in all of them (it would
+    hide what each candidate needs), not only in the thread that handles the failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(bool, runtime.engine_compiling).result() is False
+        with runtime.engine_compiling.scope():
+            assert pool.submit(bool, runtime.engine_compiling).result() is True
+        assert pool.submit(bool, runtime.engine_compiling).result() is False
+
+
+def test_observe_mode_leaves_every_binding_of_triton_compile_untouched(install_guard):
+    bindings = (triton.compile, triton.compiler.compile, compiler.compile)
+    install_guard(core=True, mode="observe")
+    assert not triton_compile.is_patched()
+    assert (triton.compile, triton.compiler.compile, compiler.compile) == bindings
