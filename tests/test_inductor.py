@@ -244,12 +244,20 @@ def capability_89(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
 
 
-def flex_configs(kind, head_dim, dtype):
-    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+def flex_configs(kind, head_dim, dtype, seq_len=1024):
+    """Inductor's FlexAttention configs as Inductor asks for them: from the module it imports (torch 2.14 moved it),
+    by name (2.14 added the forward's ``seq_len`` before ``dtype``)."""
+    import inspect
+
+    try:
+        from torch._inductor.heuristics.template.triton import CUDAConfigHeuristic
+    except ImportError:  # torch 2.13 and older
+        from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
 
     heuristic = CUDAConfigHeuristic()
     method = heuristic.get_flex_attn_fwd_configs if kind == "forward" else heuristic.get_flex_attn_bwd_configs
-    return method(head_dim, dtype)
+    extra = {"seq_len": seq_len} if "seq_len" in inspect.signature(method).parameters else {}
+    return method(head_dim=head_dim, dtype=dtype, **extra)
 
 
 def test_flex_tiles_that_cannot_fit_at_any_stage_count_are_halved_before_rendering(install_guard, incident_log,

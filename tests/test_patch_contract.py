@@ -230,13 +230,16 @@ EXERCISE = {
         def exercise(round_):
             from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
             with fake_gpu("L4", cache_dir=CACHE):
-                CUDAConfigHeuristic().get_flex_attn_fwd_configs(64, torch.float16)
+                heuristic = CUDAConfigHeuristic().get_flex_attn_fwd_configs
+                extra = {"seq_len": 1024} if "seq_len" in __import__("inspect").signature(heuristic).parameters else {}
+                heuristic(head_dim=64, dtype=torch.float16, **extra)  # torch 2.14 added seq_len before dtype
     """,
     "inductor_static_launcher": """
         def exercise(round_):
             from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
             loaded = StaticallyLaunchedCudaKernel.__new__(StaticallyLaunchedCudaKernel)
             loaded.function, loaded.shared, loaded.name = object(), 0, "loaded"
+            loaded.device_agnostic = False  # torch 2.14's per-device path, off as Inductor leaves it by default
             loaded.load_kernel(0)  # loaded already: Inductor's loader returns at once
     """,
     "vllm_prefill_attention": f"""

@@ -212,14 +212,16 @@ def matmul_warmup_inputs():
 
 def minimal_worker(registry):
     """The fields of a vLLM worker that ``kernel_warmup(worker, process_local_only=True)`` reads on a
-    machine vLLM does not see as CUDA, for a non-Qwen model with the JIT warm-up on."""
+    machine vLLM does not see as CUDA, for a non-Qwen model with the JIT warm-up on (vLLM 0.33 and 0.34)."""
     model = torch.nn.Module()
     model_config = SimpleNamespace(hf_text_config=SimpleNamespace(model_type="llama"),
                                    hf_config=SimpleNamespace(model_type="llama"))
     return SimpleNamespace(
         use_v2_model_runner=True, get_model=lambda: model,
+        # vLLM 0.34's replayssm lifecycle warm-up reads the runner's own config.
         model_runner=SimpleNamespace(jit_warmup_registry=registry, get_model=lambda: model,
-                                     device=torch.device("cpu")),
+                                     device=torch.device("cpu"),
+                                     vllm_config=SimpleNamespace(use_flashinfer_replayssm=False)),
         vllm_config=SimpleNamespace(kernel_config=SimpleNamespace(enable_jit_warmup=True, enable_cutedsl_warmup=False),
                                     model_config=model_config,
                                     compilation_config=SimpleNamespace(cudagraph_capture_sizes=[])))

@@ -37,7 +37,7 @@ indexer is already imported: :func:`patch` also rebinds the name in every loaded
 that holds the original, and :func:`unpatch` puts it back. Modules imported later pick up
 whatever the defining module holds. An alias under another name is not followed.
 
-Checked against vLLM 0.32.0 (installed here and patched in the tests: the wrapper takes
+Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (installed and patched in the tests, CI stages 2 and 3: the wrapper takes
 ``indices`` and hands DeepGEMM ``_paged_mqa_logits_schedule_slots(num_sms, next_n)`` slots,
 num_sms // 2 on SM90 with next_n 4; the fallback asks that same helper) and stored public
 copies of ``vllm/utils/deep_gemm.py`` with the three-argument form and with ``indices``
@@ -70,7 +70,7 @@ TARGET = f"{TARGET_MODULE}.{FUNCTION}"
 #: Every module path vLLM has defined the wrapper in.
 TARGET_MODULES = (TARGET_MODULE,)
 _LAYER = Layer(TARGET_MODULE, FUNCTION, rebind=True)  # the MLA indexer imports the function by name
-SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = False  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
 
 KERNEL = "deep_gemm:get_paged_mqa_logits_metadata"

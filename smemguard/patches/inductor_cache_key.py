@@ -13,7 +13,7 @@ cache key generation for all torch compile caching"), after the user's own tag. 
 own limit adds nothing, so its keys are torch's. This is a setting, not a function: no layer; removal
 puts back the value found, unless something else has set the tag since: then theirs stands.
 
-Checked against torch 2.11.0 and 2.13.0 (``torch/compiler/config.py``; read by ``FxGraphHashDetails``,
+Checked against torch 2.11.0, 2.13.0, 2.14.0 and 2.15.0 (``torch/compiler/config.py``; read by ``FxGraphHashDetails``,
 ``AutotuneCache`` and AOTAutograd's cache key); read in 2.8 to 2.10.
 """
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "torch.compiler.config.cache_key_tag"
 TARGET_MODULES = ("torch.compiler.config",)
-SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
 OBSERVE_SAFE = True  # observe mode emulates the limit too: its compiles must not mix with the full GPU's
 
 _SEPARATOR = ","

@@ -71,7 +71,7 @@ MODULES = ("torch._inductor.heuristics.template.triton", "torch._inductor.templa
 TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for module in MODULES)
 TARGET = TARGETS[1]
 TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
 OBSERVE_SAFE = False  # changes the tiles Inductor renders
 
 PASSES = {"forward": "get_flex_attn_fwd_configs", "backward": "get_flex_attn_bwd_configs"}

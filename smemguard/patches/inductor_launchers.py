@@ -24,7 +24,9 @@ loads, so that the most stages that fit win rather than one. In observe mode the
 Inductor's own retry runs, and Inductor's error is raised. A kernel that loads is never touched: the
 wrapper adds one ``try`` to a call made once per kernel, never per launch.
 
-Checked against torch 2.11.0 and 2.13.0 (``CachingAutotuner._make_launchers(self)``, whose compile
+Checked against torch 2.11.0, 2.13.0, 2.14.0 and 2.15.0 on the CPU harness (2.14 adds a device-resolution step, a
+compile on one rank leaving the device None: read as the current device;
+``CachingAutotuner._make_launchers(self)``, whose compile
 results carry ``config``, ``kernel`` and ``make_launcher()``, and ``_precompile_config(self, cfg)``; 2.13
 first retries the last config at one stage itself, ``compile_by_disabling_pipelining``); read in 2.8 to
 2.10, which load the same way.
@@ -37,7 +39,7 @@ from . import Layer, wrapt_layer
 
 TARGET = "torch._inductor.runtime.triton_heuristics.CachingAutotuner._make_launchers"
 TARGET_MODULES = ("torch._inductor.runtime.triton_heuristics",)
-SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
 OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
 
 _LAYER = Layer(TARGET_MODULES[0], "CachingAutotuner._make_launchers")

@@ -14,8 +14,9 @@ that fits, goes straight to Inductor's loader).
 
 Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/runtime/static_triton_launcher.py``: the
 kernel's ``name``, ``shared`` and ``function``, None until loaded; 2.13 defines ``load_kernel`` on the
-base class ``StaticallyLaunchedTritonKernel``) and read in 2.8 to 2.10, where the module is
-``static_cuda_launcher``.
+base class ``StaticallyLaunchedTritonKernel``), 2.14.0 and 2.15.0 (``load_kernel(self, device)`` gains a
+``device_agnostic`` path that loads per device into ``functions``) and read in 2.8 to 2.10, where the module
+is ``static_cuda_launcher``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from . import Layer, wrapt_layer
 MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.runtime.static_cuda_launcher")
 TARGET = f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_kernel"
 TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 13), label="PyTorch")
+SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
 OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
 
 #: The C++ loader checks only kernels above the 48 KiB every CUDA GPU gives without opting in.
@@ -46,12 +47,21 @@ def applies(settings) -> bool:
 def _refuse_over_emulated_limit(wrapped, instance, args, kwargs):
     limit = runtime.emulated_limit()
     shared = getattr(instance, "shared", 0)
-    if limit is not None and instance.function is None and shared > _STATIC_SHARED and shared >= limit:
+    if limit is not None and not _loaded(instance, args, kwargs) and shared > _STATIC_SHARED and shared >= limit:
         import torch
 
         raise torch.OutOfMemoryError(f"out of resource: {instance.name} Required: {shared} Hardware limit:{limit} "
                                      "Reducing block sizes or `num_stages` may help.")
     return wrapped(*args, **kwargs)
+
+
+def _loaded(instance, args, kwargs) -> bool:
+    """Whether the kernel is loaded on the device asked for: its ``function`` (torch 2.8 to 2.13, and 2.14's
+    device-bound kernels), or its per-device ``functions`` (2.14's ``device_agnostic`` kernels)."""
+    if getattr(instance, "function", None) is not None:
+        return True
+    device = args[0] if args else kwargs.get("device")
+    return device in (getattr(instance, "functions", None) or {})
 
 
 def patch(context) -> None:

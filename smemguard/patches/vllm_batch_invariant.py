@@ -12,7 +12,7 @@ Tiles are never shrunk for this kernel: a smaller BLOCK_SIZE_M/N can change the 
 instruction, and so the order of products inside a K step, and the decision could differ
 between specializations (``M == 1`` against larger M), which would break batch invariance.
 
-Checked against vLLM 0.32.0 and 0.33.0 (``vllm/model_executor/determinism/batch_invariant.py``)
+Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm/model_executor/determinism/batch_invariant.py``)
 and vLLM's ``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
 ``matmul_kernel_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``.
 """
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "vllm.model_executor.determinism.batch_invariant.matmul_kernel_persistent"
 TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
-SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = True  # registers a fallback only: in observe mode the engine records and re-raises anyway
 KERNEL = "matmul_kernel_persistent"
 _EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}

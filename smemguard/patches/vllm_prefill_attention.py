@@ -30,7 +30,10 @@ once. One incident record (``"action": "tile_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against vLLM 0.32.0 and 0.33.0 (``vllm/v1/attention/ops/triton_prefill_attention.py``, the
+Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (0.34's wrapper fits its block to the device's shared
+memory itself on CUDA, ``_fit_block_to_shared_memory(BLOCK, ...)``, a ``min`` over ``get_block_size``'s choice: a
+lowered choice still lowers ``BLOCK``, and the formula never reads an emulated limit;
+``vllm/v1/attention/ops/triton_prefill_attention.py``, the
 same file in both): ``get_block_size(dtype)``, then ``if Lk >= 512: BLOCK = min(BLOCK, 32)``, the
 grid from ``BLOCK``, one launch ``_fwd_kernel[grid](q, k, v, ..., BLOCK_M=BLOCK, BLOCK_N=BLOCK_N,
 Lk=Lk, num_stages=1)`` with ``BLOCK_N`` equal to ``BLOCK`` or, on RDNA, ``min(BLOCK, 32)``.
@@ -49,7 +52,7 @@ TILE_CHOICE = "get_block_size"
 KERNEL = "_fwd_kernel"
 TARGET = f"{TARGET_MODULE}.{WRAPPER}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = False  # changes the tile that runs
 
 _KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}

@@ -21,7 +21,7 @@ What it does: registers those alternatives with :func:`smemguard.register_altern
 its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
 head size 128 it needs 65536 B on sm_75, which fits a T4.
 
-Checked against vLLM 0.32.0 and 0.33.0 (``vllm/v1/attention/ops/prefix_prefill.py``): the
+Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm/v1/attention/ops/prefix_prefill.py``): the
 same launch of ``_fwd_kernel`` (grid function, ``BLOCK_M=128, BLOCK_N=64, num_warps=4,
 num_stages=1``) and the same masks; 0.33 adds ``INTERLEAVED_V_PACK_FACTOR`` to the V-cache
 addressing, which does not involve either tile.
@@ -41,7 +41,7 @@ TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
 KERNEL = "_fwd_kernel"
 TARGET = f"{TARGET_MODULE}.{KERNEL}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = True  # registers alternatives only: in observe mode the engine records and re-raises anyway
 
 #: (BLOCK_M, BLOCK_N), largest first; the wrapper's own is (128, 64).

@@ -32,7 +32,9 @@ that class pick it at once, with no failed launch. A failure of any other launch
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against vLLM 0.32.0 and 0.33.0 (``vllm/v1/attention/ops/triton_unified_attention.py``):
+Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (0.34 adds AMD RDNA prefill tile overrides and a tensor-
+descriptor clamp to the block size after ``_get_tile_size``: a launch whose tile differs from the choice is left
+to the engine, as Blackwell's override is; ``vllm/v1/attention/ops/triton_unified_attention.py``):
 both choose ``TILE_SIZE_PREFILL``/``TILE_SIZE_DECODE`` with ``_get_tile_size`` before any
 launch, launch ``kernel_unified_attention[grid](...)`` first with keyword arguments only, and
 pass ``TILE_SIZE_DECODE`` to ``reduce_segments``. (Their INT4 path hands the call to another
@@ -54,7 +56,7 @@ TILE_CHOICE = "_get_tile_size"
 KERNEL = "kernel_unified_attention"
 TARGET = f"{TARGET_MODULE}.{WRAPPER}"
 TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 33), label="vLLM")
+SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
 OBSERVE_SAFE = False  # changes the tile that runs
 
 _TILE_CHOICE_PARAMETERS = ("head_size", "sliding_window", "element_size", "is_prefill")
