@@ -149,3 +149,40 @@ def test_observe_mode_leaves_every_binding_of_triton_compile_untouched(install_g
     install_guard(core=True, mode="observe")
     assert not triton_compile.is_patched()
     assert (triton.compile, triton.compiler.compile, compiler.compile) == bindings
+
+
+def test_an_inductor_template_loads_at_the_stages_that_fit_without_a_failing_load(install_guard, incident_log,
+                                                                                 monkeypatch, triton_cache):
+    """Inductor compiles with ``triton.compile`` in ``_precompile_config``: the core fits the template there, so its
+    load (``_make_launchers``) meets no ``OutOfResources`` and the load-time recovery has nothing to do."""
+    pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    from inductor_kernels import inductor_gpu, template_matmul
+
+    kernel = template_matmul("L4", num_stages=5)
+    install_guard(core=True)
+    with load_checks() as raised, inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    assert raised == []
+    [result] = kernel.compile_results
+    assert (result.kernel.metadata.num_stages, result.kernel.metadata.shared) == (4, 98304)
+    [record] = records(incident_log)
+    assert (record["phase"], record["launched_as"], record["final"]) == ("compile", "triton.compile", "num_stages=4")
+
+
+def test_every_torch_patch_applies_when_inductor_is_imported_as_torch_compile_imports_it():
+    """In a fresh process: install, then import what ``torch.compile`` imports; every torch.compile patch of this
+    torch's release is on (unverified above the newest checked, never stepping aside)."""
+    pytest.importorskip("torch._inductor")
+    from conftest import run_python
+
+    result = run_python("""
+        import triton, smemguard
+        from smemguard.settings import Settings
+        smemguard.install(Settings(max_shared=101376))
+        import torch._inductor.compile_fx, torch._inductor.kernel.flex.flex_attention  # what torch.compile loads
+        from smemguard.patches import inductor_cache_key, inductor_flex_configs, inductor_launchers
+        from smemguard.patches import inductor_static_launcher
+        print([m.is_patched() for m in (inductor_launchers, inductor_static_launcher, inductor_flex_configs,
+                                        inductor_cache_key)])
+    """)
+    assert result.stdout.split("\n")[-2] == "[True, True, True, True]", result.stderr
