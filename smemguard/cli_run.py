@@ -67,9 +67,11 @@ def add_run_command(commands) -> argparse.ArgumentParser:
 
 
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` with :data:`BOOTSTRAP` first on ``PYTHONPATH`` (once: ``smemguard run`` may run itself)."""
-    entries = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    kept = [entry for entry in entries if os.path.realpath(entry) != str(BOOTSTRAP)]
+    """``environ`` with :data:`BOOTSTRAP` first on ``PYTHONPATH`` (once: ``smemguard run`` may run itself). The
+    user's entries are kept as they are, empty ones too: an empty entry is the current directory to Python."""
+    given = environ.get("PYTHONPATH", "")
+    entries = given.split(os.pathsep) if given else []
+    kept = [entry for entry in entries if not entry or os.path.realpath(entry) != str(BOOTSTRAP)]
     return {**environ, "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP), *kept])}
 
 

@@ -255,3 +255,27 @@ def test_help_teaches_with_examples(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "run -- python train.py" in capsys.readouterr().out
+
+
+def test_empty_pythonpath_entries_still_mean_the_current_directory():
+    """An empty ``PYTHONPATH`` entry is the current directory to Python: ``run`` keeps it (issue 33), and adds
+    none where the user had no ``PYTHONPATH``."""
+    from smemguard import cli_run
+
+    bootstrap = str(cli_run.BOOTSTRAP)
+    assert cli_run.environment({"PYTHONPATH": ":/lib"})["PYTHONPATH"] == os.pathsep.join([bootstrap, "", "/lib"])
+    assert cli_run.environment({"PYTHONPATH": f"{bootstrap}:/lib:"})["PYTHONPATH"] == os.pathsep.join(
+        [bootstrap, "/lib", ""]), "run inside run: the bootstrap once, the user's entries as they were"
+    assert cli_run.environment({})["PYTHONPATH"] == bootstrap
+    assert cli_run.environment({"PYTHONPATH": ""})["PYTHONPATH"] == bootstrap
+
+
+def test_a_script_importing_from_the_working_directory_works_under_run(tmp_path):
+    (tmp_path / "neighbour.py").write_text("VALUE = 42\n")
+    program = script(tmp_path, "import neighbour\nprint(neighbour.VALUE)\n")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "prog.py").write_text(program.read_text())
+    process = smemguard_run(sys.executable, str(other / "prog.py"), env={"PYTHONPATH": ":"}, cwd=tmp_path, **PIPES)
+    status, out, err = finished(process)
+    assert (status, out.strip()) == (0, "42"), err
