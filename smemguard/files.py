@@ -74,8 +74,16 @@ def open_read(path: Path):
 
 
 def open_append(path: Path):
-    """``path`` opened for appending text (created when missing), regular files only."""
-    return os.fdopen(_opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+    """``path`` opened for appending text (created when missing), regular files only, never through a symbolic
+    link: a link named as the file would make smemguard append to (or create) a file the user did not name."""
+    try:
+        descriptor = _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if error.errno == errno.ELOOP and not isinstance(error, Refused):
+            raise Refused(errno.ELOOP, f"{path} is a symbolic link; smemguard appends only to the file it names, "
+                                       "never through a link") from None
+        raise
+    return os.fdopen(descriptor, "a", encoding="utf-8")
 
 
 def read_bytes(path: Path, limit: int) -> bytes:

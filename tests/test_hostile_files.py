@@ -232,3 +232,24 @@ def test_replay_compiles_an_amd_record_without_a_gpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no GPU: compiling for gfx942 on a stand-in device with a 40000 B limit" in out
     assert "reproduced: OutOfResources shared memory" in out and status in (0, 1), out
+
+
+@pytest.mark.parametrize("target_exists", [True, False], ids=["link to a file", "dangling link"])
+def test_smemguard_log_never_writes_through_a_symbolic_link(tmp_path, install_guard, caplog, triton_cache,
+                                                            target_exists):
+    """Issue 33: a SMEMGUARD_LOG that is a symbolic link gets one warning; the file it points at is neither
+    appended to nor created, and the launch is recovered all the same."""
+    target = tmp_path / "someone-elses.txt"
+    if target_exists:
+        target.write_text("theirs\n")
+    link = tmp_path / "incidents.jsonl"
+    link.symlink_to(target)
+    install_guard(log_path=link)
+    a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+    with caplog.at_level("WARNING", logger="smemguard"), \
+            fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
+        matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4)
+    assert gpu.launches[-1].num_stages == 3, "recovered"
+    assert (target.read_text() == "theirs\n") if target_exists else not target.exists()
+    [line] = [r.getMessage() for r in caplog.records if "cannot write incident records" in r.getMessage()]
+    assert "is a symbolic link" in line
