@@ -126,12 +126,27 @@ def make_directory(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
+#: The longest smemguard waits for a host-wide lock another process holds.
+LOCK_WAIT_S = 10.0
+
+
 @contextlib.contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block."""
+    """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block. Writers hold it for
+    milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Refused, so
+    that no command and no serving process ever waits on it for ever."""
     descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise Refused(errno.ETIMEDOUT, f"{lock_path} has been held by another process for over "
+                                                   f"{LOCK_WAIT_S:g} s") from None
+                time.sleep(0.01)
         yield
     finally:
         os.close(descriptor)  # closing releases the lock

@@ -253,3 +253,35 @@ def test_smemguard_log_never_writes_through_a_symbolic_link(tmp_path, install_gu
     assert (target.read_text() == "theirs\n") if target_exists else not target.exists()
     [line] = [r.getMessage() for r in caplog.records if "cannot write incident records" in r.getMessage()]
     assert "is a symbolic link" in line
+
+
+def test_a_held_decisions_lock_is_waited_on_for_a_bounded_time(tmp_path, monkeypatch, capsys, caplog):
+    """Issue 33: a ``decisions.lock`` another process holds for ever stops neither ``cache import`` (one line, exit
+    2, nothing written) nor a serving process (one warning, the decision kept in memory)."""
+    import fcntl
+    import time
+
+    from smemguard import files
+
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.3)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    source = tmp_path / "decisions.json"
+    source.write_text(json.dumps(decisions.empty()))
+    with open(cache / decisions.LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        entry = DECISIONS["compile"]
+        data = {**decisions.empty(), "compile": entry}
+        source.write_text(json.dumps(data))
+        assert cli.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert "decisions.lock has been held by another process for over 0.3 s" in line
+        assert not (cache / decisions.FILE_NAME).exists(), "nothing written"
+        store = decisions.Store(cache)
+        key, value = next(iter(entry.items()))
+        with caplog.at_level("WARNING", logger="smemguard"):
+            assert store.put("compile", key, value) is value
+        assert time.monotonic() - started < 5, "bounded, never for ever"
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "refusing the decision cache" in warning and "decisions stay in this process" in warning
