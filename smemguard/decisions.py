@@ -95,7 +95,7 @@ def validate(data: Any) -> dict:
     """``data`` if it is a decision file of this schema; else ValueError saying what is wrong."""
     if not isinstance(data, dict):
         raise ValueError(f"not a JSON object but {shown(data, 40)}")
-    if data.get("schema") != SCHEMA:
+    if type(data.get("schema")) is not int or data["schema"] != SCHEMA:  # true and 1.0 equal 1 in Python
         raise ValueError(f"schema {shown(data.get('schema'), 40)}, expected {SCHEMA}")
     for kind in _ADDED_KINDS:
         data.setdefault(kind, {})

@@ -102,12 +102,31 @@ def problems(record: Mapping, required: Mapping[str, Expect], optional: Mapping[
     return found
 
 
+class _NotStrict(ValueError):
+    """What strict JSON (RFC 8259) has no room for, though Python's parser takes it."""
+
+
+def _no_constant(name: str):
+    raise _NotStrict(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(key for key in keys if keys.count(key) > 1)
+        raise _NotStrict(f"the key {shown(duplicate, 40)} appears twice in one object")
+    return dict(pairs)
+
+
 def loads(text: str) -> tuple[Any, str | None]:
-    """(the JSON value of ``text``, None), or (None, why it is not JSON)."""
+    """(the JSON value of ``text``, None), or (None, why it is not strict JSON): ``NaN``, ``Infinity`` and a key
+    repeated in one object are refused, as every strict parser refuses them (Python's alone takes them)."""
     try:
-        return json.loads(text), None
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys), None
     except json.JSONDecodeError as error:
         return None, f"not JSON ({error.msg} at column {error.colno})"
+    except _NotStrict as error:
+        return None, f"not strict JSON ({error})"
     except (ValueError, RecursionError) as error:  # a 5000-digit number, nesting too deep
         return None, f"not JSON ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
 

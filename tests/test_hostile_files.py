@@ -285,3 +285,21 @@ def test_a_held_decisions_lock_is_waited_on_for_a_bounded_time(tmp_path, monkeyp
         assert time.monotonic() - started < 5, "bounded, never for ever"
     [warning] = [r.getMessage() for r in caplog.records]
     assert "refusing the decision cache" in warning and "decisions stay in this process" in warning
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"schema": 1, "compile": {}, "launch": {}, "inductor": {}, "x": NaN}', "NaN is not a JSON number"),
+    ('{"schema": 1, "compile": {}, "launch": {}, "inductor": {}, "x": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"schema": 1, "compile": {}, "compile": {}, "launch": {}, "inductor": {}}', 'the key "compile" appears twice'),
+    ('{"schema": true, "compile": {}, "launch": {}, "inductor": {}}', "schema true, expected 1"),
+    ('{"schema": 1.0, "compile": {}, "launch": {}, "inductor": {}}', "schema 1.0, expected 1"),
+], ids=["NaN", "Infinity", "duplicate key", "schema true", "schema 1.0"])
+def test_decision_files_are_strict_json_of_schema_1(tmp_path, capsys, text, why):
+    """Issue 33: what strict parsers reject (NaN, Infinity, a key twice) and a schema that only equals 1 in Python
+    are refused with one line; nothing is imported."""
+    source = tmp_path / "decisions.json"
+    source.write_text(text)
+    assert cli.main(["cache", "import", str(source), "--dir", str(tmp_path / "cache")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert why in line and "nothing imported" in line
+    assert not (tmp_path / "cache" / decisions.FILE_NAME).exists()
