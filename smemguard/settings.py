@@ -78,8 +78,18 @@ class Settings:
         return f"shared-memory limit emulated at {self.max_shared} B ({MAX_SHARED}={self.max_shared_label})"
 
 
+#: A setting's value is shown up to this many characters in its problem line.
+SHOWN_VALUE = 80
+
+
+def _shown(value: str) -> str:
+    """``value`` on one line (repr escapes control characters), cut: a 130 KB setting is not echoed whole."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE else f"{text[:SHOWN_VALUE - 4]}...' ({len(value)} characters)"
+
+
 def _problem(var: str, value: str, why: str, accepted: str) -> str:
-    return f"{var}={value!r} ignored: {why}; accepted: {accepted}. Using the default."
+    return f"{var}={_shown(value)} ignored: {why}; accepted: {accepted}. Using the default."
 
 
 def _parse_mode(value: str | None, problems: list[str]) -> str:
@@ -101,8 +111,10 @@ def parse_max_shared(text: str) -> tuple[int, str]:
         return gpu.max_shared, gpu.name
     if text.isascii() and text.isdigit() and len(text) <= 12 and int(text) > 0:
         return int(text), text
-    why = ("must be positive" if text.lstrip("-").isdigit() and len(text) <= 12 else
-           "too large" if text.isdigit() else "neither a byte count nor a known GPU")
+    ascii_digits = text.isascii() and text.lstrip("-").isdigit()
+    why = ("not ASCII digits" if text.lstrip("-").isdigit() and not text.isascii() else
+           "must be positive" if ascii_digits and len(text) <= 12 else
+           "too large" if ascii_digits else "neither a byte count nor a known GPU")
     raise ValueError(f"{why}; accepted: {accepted}")
 
 
@@ -112,7 +124,7 @@ def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | Non
     try:
         return parse_max_shared(value)
     except ValueError as error:
-        problems.append(f"{MAX_SHARED}={value!r} ignored: {error}. Using the default.")
+        problems.append(f"{MAX_SHARED}={_shown(value)} ignored: {error}. Using the default.")
         return None, None
 
 
@@ -133,6 +145,8 @@ def _unwritable_reason(path: Path) -> str | None:
 def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]:
     """The path ``value`` names (``~`` expanded), and why it cannot be written as a file (or as a
     directory), None when it can. Never raises: every reason is a problem line."""
+    if not value.strip().isprintable():  # a newline would let a setting forge log lines wherever the path is shown
+        return None, "it holds a control character (a newline, a tab, an escape)"
     try:
         path = Path(value.strip()).expanduser()
     except RuntimeError:  # ~user, and no such user
@@ -219,8 +233,17 @@ def unknown_patches(settings: Settings, known: tuple[str, ...]) -> list[str]:
     return [f"{DISABLE}: {line}" for line in _unknown(settings.disabled, known, "a smemguard patch")]
 
 
+#: Unknown SMEMGUARD_ variables named one line each, at most; the rest are counted in one more line.
+MAX_UNKNOWN_NAMED = 10
+
+
 def _unknown_variables(environ: Mapping[str, str]) -> list[str]:
-    return _unknown(sorted(name for name in environ if name.startswith("SMEMGUARD_")), KNOWN, "a smemguard setting")
+    unknown = sorted(name for name in environ if name.startswith("SMEMGUARD_") and name not in KNOWN)
+    lines = _unknown([name[:100] for name in unknown[:MAX_UNKNOWN_NAMED]], KNOWN, "a smemguard setting")
+    if len(unknown) > MAX_UNKNOWN_NAMED:
+        lines.append(f"{len(unknown) - MAX_UNKNOWN_NAMED} more SMEMGUARD_ variables are no smemguard setting either "
+                     f"(known: {', '.join(KNOWN)}).")
+    return lines
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:

@@ -121,3 +121,31 @@ def test_smemguard_disable_is_bounded():
     long_name = settings_module.load({"SMEMGUARD_DISABLE": "x" * 1_000_000})
     [line] = guard.settings_problems(long_name)
     assert len(line) < 1000 and time.perf_counter() - started < 5
+
+
+# -- Settings as untrusted input (issue 33, item 9) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("var", [settings.LOG, settings.METRICS_FILE, settings.CACHE_DIR])
+def test_a_path_setting_with_a_newline_cannot_forge_a_log_line(tmp_path, var):
+    loaded = settings.load({var: f"{tmp_path}/x\nWARNING smemguard: all is well"})
+    [problem] = loaded.problems
+    assert "\n" not in problem and "control character" in problem and "Using the default" in problem
+    assert loaded.log_path is None and loaded.metrics_file is None
+
+
+def test_a_huge_setting_is_not_echoed_whole():
+    [problem] = settings.load({settings.MAX_SHARED: "x" * 130_000}).problems
+    assert len(problem) < 600 and "(130000 characters)" in problem, "cut at 80 characters"
+
+
+def test_thousands_of_unknown_variables_give_a_bounded_number_of_lines():
+    environ = {f"SMEMGUARD_NOISE_{n}": "1" for n in range(3000)}
+    problems = settings.load(environ).problems
+    assert len(problems) == settings.MAX_UNKNOWN_NAMED + 1
+    assert problems[-1].startswith(f"{3000 - settings.MAX_UNKNOWN_NAMED} more SMEMGUARD_ variables")
+
+
+def test_non_ascii_digits_are_refused_for_what_they_are():
+    [problem] = settings.load({settings.MAX_SHARED: "１０１３７６"}).problems
+    assert "not ASCII digits" in problem and "must be positive" not in problem
