@@ -35,8 +35,8 @@ examples:
   smemguard run -- python train.py   guard a program and every Python process it starts, no code change
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
-SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>.
-See the README. Every command reports
+SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>,
+SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists). See the README. Every command reports
 a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict it then stops (2).
 
 exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("file", nargs="?", help="the JSON file to export to or import from")
     cache.add_argument("--dir", type=Path, help="cache directory (default: SMEMGUARD_CACHE_DIR)")
     cache.add_argument("--json", action="store_true", help="with show: the raw file")
-    cache.set_defaults(run=_cache)
+    cache.set_defaults(run=_cache, cache_parser=cache)
 
     checked = commands.add_parser(
         "versions", help="which patches apply here: the releases each was checked against, and yours",
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "cache" and args.action in ("export", "import") and not args.file:
-        parser.error(f"cache {args.action} needs a FILE")
+        args.cache_parser.error(f"cache {args.action} needs a FILE")  # its own usage, not the top level's
     from . import settings
 
     args.settings = settings.load()

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from smemguard import cli, gpus
+from smemguard import cli, gpus, settings
 
 from conftest import ROOT, records
 
@@ -183,3 +183,17 @@ def test_the_cli_hides_torchs_numpy_warning_and_nothing_else(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "torch.float16 tensor cannot start 1 bytes past a 16-byte boundary" in result.stderr, "torch was imported"
     assert "NumPy" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cache_import_without_a_file_shows_the_cache_commands_usage(capsys):
+    """Issue 33: the usage of `smemguard cache`, not the top level's, and exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["cache", "import"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: smemguard cache") and "cache import needs a FILE" in err
+
+
+def test_help_names_every_setting(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert all(name in capsys.readouterr().out for name in settings.KNOWN)
