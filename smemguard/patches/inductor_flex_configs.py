@@ -151,11 +151,24 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
                    "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
 
 
+def _names_its_arguments(function) -> bool:
+    """Whether ``function``'s signature (through ``__wrapped__``) names ``head_dim`` and ``dtype``."""
+    try:
+        return {"head_dim", "dtype"} <= set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return False
+
+
 def _head_dim_and_dtype(wrapped, args, kwargs) -> tuple:
     """The heuristic's ``head_dim`` and ``dtype``, read by name: torch 2.14 put ``seq_len`` between them in the
-    forward's (``(head_dim, seq_len, dtype)``; 2.13: ``(head_dim, dtype)``)."""
-    arguments = inspect.signature(wrapped).bind(*args, **kwargs).arguments
-    return arguments["head_dim"], arguments["dtype"]
+    forward's (``(head_dim, seq_len, dtype)``; 2.13: ``(head_dim, dtype)``). Under another tool's layer that takes
+    ``*args`` and hides the signature (no ``__wrapped__``), by the convention every release keeps: ``head_dim``
+    first, ``dtype`` last."""
+    if _names_its_arguments(wrapped):
+        arguments = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+        return arguments["head_dim"], arguments["dtype"]
+    head_dim = kwargs["head_dim"] if "head_dim" in kwargs else args[0]
+    return head_dim, kwargs["dtype"] if "dtype" in kwargs else args[-1]
 
 
 def _wrapper(kind: str):
@@ -193,11 +206,14 @@ def patch(context) -> None:
 
 
 def _check_parameters(owner, name: str) -> None:
-    """The patch-time check: the heuristic takes ``head_dim`` and ``dtype`` by those names."""
-    parameters = inspect.signature(getattr(owner, name)).parameters
-    if not {"head_dim", "dtype"} <= set(parameters):
-        raise TypeError(f"{owner.__qualname__}.{name}{inspect.signature(getattr(owner, name))} takes no head_dim and "
-                        "dtype parameters")
+    """The patch-time check: the heuristic takes ``head_dim`` and ``dtype`` by those names, or sits under another
+    tool's ``*args`` layer (read by the convention then, see :func:`_head_dim_and_dtype`)."""
+    function = getattr(owner, name)
+    parameters = inspect.signature(function).parameters.values()
+    hidden = any(parameter.kind is inspect.Parameter.VAR_POSITIONAL for parameter in parameters)
+    if not (_names_its_arguments(function) or hidden):
+        raise TypeError(f"{owner.__qualname__}.{name}{inspect.signature(function)} takes no head_dim and dtype "
+                        "parameters")
 
 
 def unpatch() -> None:
