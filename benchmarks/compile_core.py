@@ -35,30 +35,11 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="compil
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.compiler import compiler  # noqa: E402
 
 import smemguard  # noqa: E402
 from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel  # noqa: E402
 from smemguard.settings import Settings  # noqa: E402
-
-
-@contextlib.contextmanager
-def load_checks():
-    raised = []
-    checked = compiler.CompiledKernel._init_handles
-
-    def counting(self):
-        try:
-            return checked(self)
-        except triton.runtime.errors.OutOfResources as error:
-            raised.append(f"{error.required}>{error.limit}")
-            raise
-
-    compiler.CompiledKernel._init_handles = counting
-    try:
-        yield raised
-    finally:
-        compiler.CompiledKernel._init_handles = checked
+from smemguard.testing import load_check_failures as load_checks  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -166,6 +147,7 @@ def main() -> int:
             result = CASES[name](args.limit, scratch / f"{name}.jsonl")
         except Exception as error:  # one case's failure is its row, not the end of the run
             result = {"error": f"{type(error).__name__}: {error}"[:400]}
+        result["raised"] = [f"{error.required}>{error.limit}" for error in result.get("raised", [])]
         result["seconds"] = round(time.perf_counter() - started, 1)
         results["cases"][name] = result
         print(name, json.dumps({k: v for k, v in result.items() if k != "records"})[:600], flush=True)

@@ -1,7 +1,6 @@
 """The compile-time core at ``triton.compile``: a kernel that does not fit is compiled again with fewer stages
 before anything loads it, for any caller (Triton's real compiles for a stand-in L4, Triton's own load check)."""
 
-import contextlib
 import json
 
 import pytest
@@ -14,30 +13,10 @@ import smemguard
 from smemguard import runtime
 from smemguard.patches import triton_compile
 from smemguard.settings import Settings
-from smemguard.testing import fake_gpu
+from smemguard.testing import fake_gpu, load_check_failures as load_checks
 
 from conftest import records
 from kernels import autotuned, config, matmul_args, matmul_kernel
-
-
-@contextlib.contextmanager
-def load_checks():
-    """The ``OutOfResources`` Triton's load check raises (``CompiledKernel._init_handles``), counted as it runs."""
-    raised = []
-    checked = compiler.CompiledKernel._init_handles
-
-    def counting(self):
-        try:
-            return checked(self)
-        except triton.runtime.errors.OutOfResources as error:
-            raised.append(error)
-            raise
-
-    compiler.CompiledKernel._init_handles = counting
-    try:
-        yield raised
-    finally:
-        compiler.CompiledKernel._init_handles = checked
 
 
 def operands():
