@@ -78,8 +78,9 @@ class Settings:
         return f"shared-memory limit emulated at {self.max_shared} B ({MAX_SHARED}={self.max_shared_label})"
 
 
-#: A setting's value is shown up to this many characters in its problem line.
-SHOWN_VALUE = 80
+#: A setting's value is shown up to this many characters in its problem line: a deep path fits whole (CI's
+#: temporary paths pass 80), a 130 KB value is cut.
+SHOWN_VALUE = 400
 
 
 def _shown(value: str) -> str:
