@@ -14,11 +14,14 @@ BLOCK_N 64/128, BLOCK_K 64/128, 3 or 4 stages, 8 warps, of which 15 overflow an 
    in its SQLite database, as a bigger GPU's tuning run would;
 2. ``observe``: that database, ``SMEMGUARD_MAX_SHARED=L20``, ``SMEMGUARD=observe`` (the
    limit is enforced, nothing is recovered): what an L20 would do with it;
-3. ``on``: the same with ``SMEMGUARD=on``;
-4. ``fresh-observe`` and ``fresh-on``: an empty database, so FlagGems tunes under the L20 limit.
+3. ``on-launch-guard``: the same with ``SMEMGUARD=on`` and the compile-time core off
+   (``SMEMGUARD_DISABLE=triton_compile``): recovery after the load check raised, as before the core;
+4. ``on``: the same with the core;
+5. ``fresh-observe`` and ``fresh-on``: an empty database, so FlagGems tunes under the L20 limit.
 
 Each shape's result is compared with ``torch.mm`` in float32 (cuBLAS). Counted apart: an
-``OutOfResources`` reaching the caller, FlagGems' own errors by type (its 16-byte alignment
+``OutOfResources`` reaching the caller, every one Triton's load check raised (caught or not: ``raised``),
+FlagGems' own errors by type (its 16-byte alignment
 assertion for TMA descriptors, compile errors), and results off the reference.
 """
 
@@ -40,6 +43,8 @@ import time
 PHASES = {  # name: (environment, database)
     "tune": ({"SMEMGUARD": "off"}, "tuned"),
     "observe": ({"SMEMGUARD": "observe", "SMEMGUARD_MAX_SHARED": "L20"}, "tuned-copy-1"),
+    "on-launch-guard": ({"SMEMGUARD": "on", "SMEMGUARD_MAX_SHARED": "L20", "SMEMGUARD_DISABLE": "triton_compile"},
+                        "tuned-copy-3"),
     "on": ({"SMEMGUARD": "on", "SMEMGUARD_MAX_SHARED": "L20"}, "tuned-copy-2"),
     "fresh-observe": ({"SMEMGUARD": "observe", "SMEMGUARD_MAX_SHARED": "L20"}, "fresh-1"),
     "fresh-on": ({"SMEMGUARD": "on", "SMEMGUARD_MAX_SHARED": "L20"}, "fresh-2"),
@@ -70,13 +75,20 @@ def _config_subset(hopper):
 
 
 def worker(shape_list: list[dict]) -> dict:
+    import smemguard
+    from smemguard.testing import load_check_failures
+
+    with load_check_failures() as raised:
+        smemguard.install()
+        outcome = _sweep(shape_list)
+    outcome["counts"]["raised"] = len(raised)
+    return outcome
+
+
+def _sweep(shape_list: list[dict]) -> dict:
+    import flag_gems
     import torch
     from triton.runtime.errors import OutOfResources
-
-    import smemguard
-
-    smemguard.install()
-    import flag_gems
 
     hopper = sys.modules[flag_gems.mm.__module__]  # "hopper.ops.mm": the arch module FlagGems picked
     assert hasattr(hopper, "mm_kernel_general_host_tma"), f"not FlagGems' Hopper matmul: {hopper.__name__}"
@@ -150,7 +162,9 @@ def main() -> int:
             shutil.copy(os.path.join(work, "tuned.db"), db_path)
         log = os.path.join(work, f"{phase}.jsonl")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
-        full_env.update(env, SMEMGUARD_LOG=log, FLAGGEMS_DB_URL=f"sqlite:///{db_path}",
+        # A decision cache of its own: a phase must not start from the configs an earlier phase switched to.
+        full_env.update(env, SMEMGUARD_LOG=log, SMEMGUARD_CACHE_DIR=os.path.join(work, f"{phase}-decisions"),
+                        FLAGGEMS_DB_URL=f"sqlite:///{db_path}",
                         TRITON_CACHE_DIR=os.path.join(work, "triton-cache"))
         run = subprocess.run([sys.executable, __file__, "--worker", phase, "--shapes", str(args.shapes),
                               "--seed", str(args.seed)], env=full_env, capture_output=True, text=True)
@@ -167,13 +181,15 @@ def main() -> int:
             json.dump(results, handle, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, Triton {results['triton']}, "
           f"FlagGems {results['flag_gems']}, {len(shape_list)} shapes")
-    print(f"{'phase':<14} {'ok':>4} {'wrong':>5} {'OOR':>4} {'FlagGems errors':>15} {'incidents':<40} {'s':>6}")
+    print(f"{'phase':<16} {'ok':>4} {'wrong':>5} {'OOR':>4} {'raised':>6} {'FlagGems errors':>15} {'incidents':<40} "
+          f"{'s':>6}")
     for phase, outcome in results["phases"].items():
         if "counts" not in outcome:
-            print(f"{phase:<14} failed ({outcome})")
+            print(f"{phase:<16} failed ({outcome})")
             continue
         c = outcome["counts"]
-        print(f"{phase:<14} {c.get('ok', 0):>4} {c.get('wrong', 0):>5} {c.get('out_of_resources', 0):>4} "
+        print(f"{phase:<16} {c.get('ok', 0):>4} {c.get('wrong', 0):>5} {c.get('out_of_resources', 0):>4} "
+              f"{c.get('raised', 0):>6} "
               f"{sum(outcome['flaggems_errors'].values()):>15} "
               f"{json.dumps({k: v for k, v in outcome['incidents'].items() if k != 'kernels'}):<40} "
               f"{c['seconds']:>6}")

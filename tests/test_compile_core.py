@@ -165,3 +165,20 @@ def test_every_torch_patch_applies_when_inductor_is_imported_as_torch_compile_im
                                         inductor_cache_key)])
     """)
     assert result.stdout.split("\n")[-2] == "[True, True, True, True]", result.stderr
+
+
+def test_the_core_fits_an_amd_kernel_before_its_load_and_keeps_its_options(install_guard, incident_log,
+                                                                           triton_cache):
+    """Triton's HIP backend on the CPU harness (no AMD GPU runs anything): 4 stages of 128x128x64 fp16 tiles need
+    98304 B of an MI300X's 65536 B of LDS; the core compiles 3 (65536 B), the AMD options the caller gave kept."""
+    amd = dict(waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2)
+    install_guard(core=True)
+    with load_checks() as raised, fake_gpu("MI300X", cache_dir=triton_cache) as gpu:
+        kernel = matmul_kernel[(2, 2)](*matmul_args(*operands()), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                       num_stages=4, **amd)
+    assert raised == [], "no OutOfResources at Triton's load check on the HIP backend either"
+    assert [(launch.num_stages, launch.shared) for launch in gpu.launches] == [(3, 65536)]
+    assert kernel.metadata.target.arch == "gfx942" and {name: getattr(kernel.metadata, name) for name in amd} == amd
+    [record] = records(incident_log)
+    assert (record["phase"], record["action"], record["final"]) == ("compile", "stages_reduced", "num_stages=3")
+    assert (record["required"], record["limit_hit"], record["device"]["backend"]) == (98304, 65536, "hip")

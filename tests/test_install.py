@@ -259,3 +259,12 @@ def test_smemguard_versions_says_what_applies_here_without_importing_the_targets
     assert rows["triton_compile"][1:4] == ["Triton", "3.4", "3.9"] and rows["triton_compile"][-1] in (
         "verified", "unverified")
     assert lines[-1] == "imported: []", "reading versions imports none of the patched packages"
+
+
+def test_the_readme_names_every_patch_smemguard_disable_accepts():
+    from smemguard.patches import MODULES
+
+    readme = (ROOT / "README.md").read_text()
+    [row] = [line for line in readme.splitlines() if line.startswith("| `SMEMGUARD_DISABLE` |")]
+    named = row[row.index("(`") + 1:row.index("`)") + 1]
+    assert sorted(name.strip(" `") for name in named.split(",")) == sorted(MODULES)
