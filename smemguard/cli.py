@@ -155,7 +155,7 @@ def _replay(args) -> int:
 
 def _cache_directory(args) -> tuple[Path | None, str | None]:
     """The cache directory to act on, or why there is none (nothing is touched then)."""
-    from .settings import CACHE_DIR
+    from .settings import CACHE_DIR, USING_THE_DEFAULT
 
     if args.dir is not None:
         try:
@@ -164,9 +164,10 @@ def _cache_directory(args) -> tuple[Path | None, str | None]:
         except OSError as error:  # a name too long for the file system
             return None, f"--dir {untrusted.printable(str(args.dir))[:80]}: {error.strerror or error}"
         return args.dir, None
-    if args.settings.ignored(CACHE_DIR):
-        return None, (f"{CACHE_DIR} is not usable (see above), so nothing was touched; fix it, or pass --dir DIR "
-                      "(the default cache is never used in its place)")
+    problem = args.settings.problem_of(CACHE_DIR)
+    if problem is not None:  # stated here alone: the settings report's "Using the default" is not true of a command
+        return None, (f"{problem.removesuffix(USING_THE_DEFAULT)} Nothing was touched: a cache command never "
+                      "uses the default cache in its place; fix the setting, or pass --dir DIR")
     if args.settings.cache_dir is None:
         return None, f"the decision cache is off ({CACHE_DIR}=off); pass --dir DIR"
     return args.settings.cache_dir, None
@@ -183,9 +184,17 @@ def _show(data: dict, path: Path, as_json: bool) -> None:
     else:
         print(f"{len(entries)} decisions in {untrusted.printable(str(path))}:")
         for entry in entries:
-            print("  " + " ".join(untrusted.printable(str(part)) for part in (
-                f"{entry.get('kernel')} on {entry.get('gpu')} (limit {entry.get('limit')} B):",
-                entry.get("from_config"), "->", entry["action"], entry.get("final") or "")).rstrip())
+            print("  " + untrusted.printable(_entry_line(entry)))
+
+
+def _entry_line(entry: dict) -> str:
+    """One decision as ``cache show`` lists it; a field the entry lacks (an older or hand-written one) is left out."""
+    where = " ".join(part for part in (
+        str(entry.get("kernel") or "a kernel"), f"on {entry['gpu']}" if entry.get("gpu") else "",
+        f"(limit {entry['limit']} B)" if entry.get("limit") is not None else "") if part)
+    change = " ".join(str(part) for part in (entry.get("from_config"), "->", entry["action"], entry.get("final"))
+                      if part)
+    return f"{where}: {change}"
 
 
 def _cache(args) -> int:
@@ -391,11 +400,13 @@ def _versions(args) -> int:
     return 0
 
 
-def _report_settings(settings) -> bool:
-    """Print each settings problem as install() logs it; False when strict mode stops here."""
+def _report_settings(settings, stated_by_the_command: tuple[str, ...] = ()) -> bool:
+    """Print each settings problem as install() logs it, but those of the variables the command states in its own
+    refusal; False when strict mode stops here."""
     from .guard import settings_problems
 
-    problems = settings_problems(settings)
+    problems = [problem for problem in settings_problems(settings)
+                if not problem.startswith(tuple(f"{var}=" for var in stated_by_the_command))]
     for problem in problems:
         print(f"smemguard: {untrusted.printable(problem)}", file=sys.stderr)
     if problems and settings.mode == "strict":
@@ -423,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import settings
 
     args.settings = settings.load()
-    if not _report_settings(args.settings):
+    if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
         return 2
     with warnings.catch_warnings():
         # torch warns at import when NumPy is missing; no command uses NumPy. The filter ends with the command.

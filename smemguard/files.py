@@ -105,11 +105,21 @@ def _trust_problem(path: Path) -> str | None:
     except OSError:  # missing: created by us; unreadable: the open says why
         return None
     if status.st_uid not in (os.getuid(), 0):
-        return f"{path} belongs to another user (uid {status.st_uid}); fix: use a directory of your own"
+        return f"{path} belongs to another user (uid {status.st_uid}); fix: {_fix_for_foreign(path, status)}"
     if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (f"{path} can be written by {'others' if status.st_mode & stat.S_IWOTH else 'its group'} "
                 f"(mode {stat.S_IMODE(status.st_mode):o}); fix: chmod go-w {path}")
     return None
+
+
+def _fix_for_foreign(path: Path, status: os.stat_result) -> str:
+    """A file of another user's in a directory of one's own is moved away; a directory of another user's is left."""
+    try:
+        own_directory = not stat.S_ISDIR(status.st_mode) and os.stat(path.parent).st_uid == os.getuid()
+    except OSError:
+        own_directory = False
+    return (f"move it away (smemguard starts a new one), or chown it to uid {os.getuid()}" if own_directory else
+            "use a directory of your own")
 
 
 def check_trusted(*paths: Path) -> None:

@@ -70,7 +70,11 @@ class Settings:
 
     def ignored(self, var: str) -> bool:
         """Whether the value of ``var`` was rejected (and replaced by the default): its line is in ``problems``."""
-        return any(problem.startswith(f"{var}=") for problem in self.problems)
+        return self.problem_of(var) is not None
+
+    def problem_of(self, var: str) -> str | None:
+        """The problem line of ``var``'s rejected value, or None."""
+        return next((problem for problem in self.problems if problem.startswith(f"{var}=")), None)
 
     def describe_limit(self) -> str:
         if self.max_shared is None:
@@ -83,6 +87,10 @@ class Settings:
 SHOWN_VALUE = 400
 
 
+#: How a problem line ends where the process goes on with the default (a cache command does not: it says so).
+USING_THE_DEFAULT = " Using the default."
+
+
 def _shown(value: str) -> str:
     """``value`` on one line (repr escapes control characters), cut: a 130 KB setting is not echoed whole."""
     text = repr(value)
@@ -90,7 +98,7 @@ def _shown(value: str) -> str:
 
 
 def _problem(var: str, value: str, why: str, accepted: str) -> str:
-    return f"{var}={_shown(value)} ignored: {why}; accepted: {accepted}. Using the default."
+    return f"{var}={_shown(value)} ignored: {why}; accepted: {accepted}.{USING_THE_DEFAULT}"
 
 
 def _parse_mode(value: str | None, problems: list[str]) -> str:
@@ -125,7 +133,7 @@ def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | Non
     try:
         return parse_max_shared(value)
     except ValueError as error:
-        problems.append(f"{MAX_SHARED}={_shown(value)} ignored: {error}. Using the default.")
+        problems.append(f"{MAX_SHARED}={_shown(value)} ignored: {error}.{USING_THE_DEFAULT}")
         return None, None
 
 

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import pytest
 import torch
@@ -217,6 +218,30 @@ def test_cache_import_skips_entries_that_are_not_decisions_and_show_still_reads(
                                   "num_stages=4" and err == ""
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root (CI runs as root)")
+def test_a_decision_file_of_another_users_in_ones_own_directory_is_to_be_moved_away(tmp_path, capsys):
+    """The fix line once said "use a directory of your own" of the user's own directory."""
+    decisions.Store(tmp_path).put("compile", "case", DECISION)
+    os.chown(tmp_path / "decisions.json", 65534, -1)
+    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 2
+    assert "decisions.json belongs to another user (uid 65534); fix: move it away (smemguard starts a new one), or " \
+        "chown it to uid 0; nothing was changed" in capsys.readouterr().err
+    os.chown(tmp_path, 65534, -1)  # the directory another user's too: nothing of it is the user's to move
+    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 2
+    assert f"{tmp_path} belongs to another user (uid 65534); fix: use a directory of your own" in \
+        capsys.readouterr().err
+
+
+def test_cache_show_leaves_out_the_fields_an_entry_lacks(tmp_path, capsys):
+    """An entry with only what a decision needs once printed "None on None (limit None B)"."""
+    bare = {"action": "stages_reduced", "options": {"num_stages": 4}}
+    decisions.Store(tmp_path).put("compile", "bare", bare)
+    decisions.Store(tmp_path).put("compile", "named", {**bare, "kernel": "m:k", "final": "num_stages=4"})
+    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  a kernel: -> stages_reduced",
+                                                        "  m:k: -> stages_reduced num_stages=4"]
+
+
 def test_a_bad_cache_dir_setting_is_refused_and_the_default_cache_kept(tmp_path, monkeypatch, capsys):
     """SMEMGUARD_CACHE_DIR=/etc/hostname once made 'cache clear' empty the default cache without a word."""
     default = tmp_path / "xdg" / "smemguard"
@@ -229,10 +254,10 @@ def test_a_bad_cache_dir_setting_is_refused_and_the_default_cache_kept(tmp_path,
     exported = tmp_path / "out.json"
     for action in (["clear"], ["show"], ["export", str(exported)], ["import", str(default / "decisions.json")]):
         assert cli.main(["cache", *action]) == 2, action
-        setting, refusal = capsys.readouterr().err.splitlines()
-        assert setting.startswith(f"smemguard: SMEMGUARD_CACHE_DIR='{hostname}' ignored: is a file")
-        assert refusal.startswith(f"smemguard cache {action[0]}: SMEMGUARD_CACHE_DIR is not usable (see above), so "
-                                  "nothing was touched")
+        [refusal] = capsys.readouterr().err.splitlines()  # one line: no "Using the default" before a refusal
+        assert refusal.startswith(f"smemguard cache {action[0]}: SMEMGUARD_CACHE_DIR='{hostname}' ignored: is a file")
+        assert refusal.endswith("Nothing was touched: a cache command never uses the default cache in its place; "
+                                "fix the setting, or pass --dir DIR") and "Using the default" not in refusal
     assert (default / "decisions.json").read_bytes() == kept and hostname.read_text() == "box\n"
     assert not exported.exists()
 
