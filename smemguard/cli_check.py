@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -13,13 +15,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from . import gpus
 
 if TYPE_CHECKING:
-    from .preflight import Progress
+    from .preflight import Progress, Report
 
 # The preflight engine (process pools, AST tools) is imported by the functions that run ``check``
 # only: every other smemguard command builds this parser too.
 
 
 HELP = "report which Triton kernel configs overflow which GPUs' shared memory (no GPU needed)"
+
+#: Seconds each import of a target may take by default: a big package's first import (torch, Triton and its
+#: own dependencies) takes 10 to 60 s on a loaded CI machine; five times that still stops a hung check with a
+#: line that names the module, long before a CI job's own limit kills it without one.
+IMPORT_TIMEOUT = 300.0
+#: The longest --timeout: beyond a day the bound means nothing (and no timer takes 1e12 s).
+MAX_TIMEOUT = 86400.0
+#: Threads a block (workgroup) may have on every NVIDIA and AMD GPU.
+MAX_THREADS = 1024
+#: A compiler process holds Triton, torch and the target: about this many MB.
+WORKER_MB = 150
 
 DESCRIPTION = """\
 Finds the Triton kernels in TARGET (JIT functions, autotuners, heuristics), compiles each config for
@@ -31,10 +44,20 @@ specializations you name with --one. No GPU is needed: Triton's CUDA and HIP bac
 MI355X, ...) ship in its wheel, and each compile stops once Triton has allocated shared memory
 (LLVM IR), before PTX and ptxas.
 
+The check runs the target's code: it imports TARGET (with a package, each of its modules) in this
+process, and again in each compiler process (--jobs), as a program using the kernels would. Check
+code you would run; for code you do not trust, run the check where that code can do no harm: a
+throw-away container or sandbox with no network, no credentials and nothing of value writable, e.g.
+  docker run --rm --network none -v "$PWD:/src:ro" IMAGE smemguard check /src/kernels.py --gpu L4
+An import that takes longer than --timeout (default 300 s; an endless loop, a wait at import) stops
+the check with exit status 2 and one line naming the module. Whatever the target prints goes to
+stderr: stdout holds the report alone (--json output parses).
+
 Exit status: 0 when every kernel has a fitting config on every GPU in every specialization,
 1 when some kernel has none on some GPU (it would raise OutOfResources there whatever the
-autotuner picks), 2 on a usage error, a target that cannot be read or imported, or a kernel whose
-every config fails to compile for another reason (each error named). Use it to gate a deploy.
+autotuner picks), 2 on a usage error, a target that cannot be read or imported (or whose import
+outlives --timeout), or a kernel whose every config fails to compile for another reason (each
+error named). Use it to gate a deploy.
 
 Verdicts are measured by compiling, except clear cases of matmul-like configs, which a
 calibrated estimate decides (shown with ~; --exact compiles everything). Results are cached in
@@ -72,7 +95,12 @@ what the check needs to know (guessed, or given):
                    the tile layout's ("... by-layout"), neither ("... non-unit"); the worse counts,
                    and the report names them. --unit NAMES to say which are 1 in every launch,
                    --unit none for none.
-  configs          an autotuner's own list; for a plain @triton.jit kernel, one --meta per config.
+  configs          an autotuner's own list; for a plain @triton.jit kernel, one --meta per config:
+                   the kernel's constexprs, num_warps (a power of two, at most 1024 threads a block:
+                   32 warps on NVIDIA, 16 on CDNA's 64-thread waves), num_stages (0 to 32: compile time
+                   grows with the stages, 512 take minutes), num_ctas (1 to 16), maxnreg (1 to 255),
+                   and for AMD GPUs Triton's HIP options (waves_per_eu, matrix_instr_nonkdim, kpack);
+                   any other name is refused, naming the kernel's constexprs.
   constexprs       --const NAME=VALUE for those no config sets (HEAD_DIM=128).
   A module can declare the same per kernel: SMEMGUARD_PREFLIGHT = {"kernel": {"dtype": "fp32",
   "signature": {...}, "constants": {...}, "configs": [...], "ones": [["N"]], "unit": [...]}}
@@ -130,7 +158,7 @@ def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
     return chosen
 
 
-def _overrides(args) -> dict:
+def _overrides(args, gpu_list: list[gpus.Gpu]) -> dict:
     overrides: dict[str, Any] = {}
     if args.dtype:
         overrides["dtype"] = args.dtype
@@ -140,12 +168,86 @@ def _overrides(args) -> dict:
         overrides["constants"] = {name: value for text in args.const
                                   for name, value in _key_values(text, "--const").items()}
     if args.meta:
-        overrides["configs"] = [_key_values(text, "--meta") for text in args.meta]
+        overrides["configs"] = [_meta(text, gpu_list) for text in args.meta]
     if args.one:
         overrides["ones"] = [_names(text) for text in args.one]
     if args.unit:
         overrides["unit"] = args.unit if args.unit in ("auto", "none") else _names(args.unit)
     return overrides
+
+
+def _meta(text: str, gpu_list: list[gpus.Gpu]) -> dict:
+    """One --meta config; TargetError for options no launch takes, or that would compile for minutes (before
+    the target is imported). Their bounds are a decision file's (smemguard.decisions): --decisions writes only
+    what 'cache import' accepts."""
+    from . import decisions
+    from .preflight import TargetError
+
+    config = _key_values(text, "--meta")
+    warps = config.get("num_warps", 4)
+    if not decisions.power_of_two(warps, decisions.MAX_WARPS):
+        raise TargetError(f"--meta {text!r}: num_warps={warps!r}: expected a power of two from 1 to "
+                          f"{decisions.MAX_WARPS} (warps of 32 threads: a block has {MAX_THREADS} at most)")
+    for gpu in gpu_list:
+        if warps * gpu.warp_size > MAX_THREADS:
+            raise TargetError(f"--meta {text!r}: num_warps={warps} is {warps * gpu.warp_size} threads a block on "
+                              f"{gpu.name} ({gpu.warp_size} a warp), over the {MAX_THREADS} a block can have: at "
+                              f"most num_warps={MAX_THREADS // gpu.warp_size} there")
+    for name, least, most, why in (("num_stages", 0, decisions.MAX_STAGES, "; compile time grows with the stages: "
+                                    "512 take minutes"), ("num_ctas", 1, 16, ""), ("maxnreg", 1, 255, "")):
+        value = config.get(name, least)
+        if type(value) is not int or not least <= value <= most:
+            raise TargetError(f"--meta {text!r}: {name}={value!r}: expected an integer from {least} to {most}{why}")
+    return config
+
+
+def _refuse_unknown_meta(kernels, configs: list[dict], gpu_list: list[gpus.Gpu]) -> None:
+    """TargetError for a --meta name that is neither a constexpr of a kernel checked nor an option: a launch
+    refuses it, and the check would silently leave it out."""
+    from .preflight import TargetError, Variant
+    from .preflight.compiling import hip_option_names
+
+    options = [field.name for field in dataclasses.fields(Variant) if field.name != "constexprs"]
+    amd = hip_option_names() if any(gpu.backend == "hip" for gpu in gpu_list) else frozenset()
+    for kernel in kernels:
+        constexprs = [param.name for param in kernel.jit.params if param.is_constexpr]
+        for config in configs:
+            unknown = [f"{name}={value!r}" for name, value in config.items()
+                       if name not in constexprs and name not in options and name not in amd]
+            if unknown:
+                raise TargetError(
+                    f"--meta {', '.join(unknown)}: no constexpr of {kernel.name}, nor an option; its constexprs: "
+                    f"{', '.join(constexprs) or 'none'}; options: {', '.join(options)}"
+                    + (", and for AMD GPUs Triton's HIP options (waves_per_eu, matrix_instr_nonkdim, kpack, ...)"
+                       if amd else ""))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: a container's or taskset's share, not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity
+        return os.cpu_count() or 1
+
+
+def _jobs(asked: int | None) -> int:
+    """Compiler processes: ``asked``, at most the CPUs usable (one line says so when lowered)."""
+    cpus = usable_cpus()
+    if asked is not None and asked > cpus:
+        print(f"smemguard check: --jobs {asked} lowered to {cpus}, the CPUs this process can use: more processes "
+              f"compile no faster, and each holds about {WORKER_MB} MB", file=sys.stderr, flush=True)
+        return cpus
+    return asked or cpus
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"expected seconds, more than 0 and at most {MAX_TIMEOUT:g}, not {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -169,8 +271,8 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--gpu", action="append", required=True, metavar="GPU[,GPU...]",
                         help="GPUs to check against, by name or alias from 'smemguard gpus' (L4, A100, H100, ...)")
     parser.add_argument("--meta", action="append", metavar="NAME=VALUE,...",
-                        help="one config: constexprs and num_warps/num_stages; repeat for more (replaces an "
-                             "autotuner's list)")
+                        help="one config: constexprs and num_warps/num_stages (what is accepted: 'configs' "
+                             "below); repeat for more (replaces an autotuner's list)")
     parser.add_argument("--const", action="append", metavar="NAME=VALUE,...",
                         help="constexprs every config needs but none sets (HEAD_DIM=128)")
     parser.add_argument("--one", action="append", metavar="NAME[,NAME...]",
@@ -182,7 +284,12 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sig", action="append", metavar="NAME=TYPE,...", help="argument types (scale=fp32)")
     parser.add_argument("--exact", action="store_true", help="compile every config (no estimated verdicts)")
     parser.add_argument("--jobs", type=_positive, metavar="N",
-                        help=f"compiler processes (default: the CPU count, {os.cpu_count()} here)")
+                        help=f"compiler processes, each about {WORKER_MB} MB (default and most: the CPUs this "
+                             f"process can use, {usable_cpus()} here; more is lowered to that, with one line)")
+    parser.add_argument("--timeout", type=_seconds, default=IMPORT_TIMEOUT, metavar="SECONDS",
+                        help=f"how long each import of a target may take, here and in each compiler process "
+                             f"(default {IMPORT_TIMEOUT:g}); a longer one stops the check, exit status 2, naming "
+                             "the module")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write cached results")
     parser.add_argument("--decisions", type=Path, metavar="FILE",
                         help="write the decision recovery would take for every overflowing config to FILE (replaced "
@@ -231,38 +338,75 @@ def _duration(seconds: float) -> str:
 def run_check(args) -> int:
     """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
     from . import preflight
-    from .preflight import ResultCache, TargetError, check, discover, format_summary, format_table
+    from .preflight import format_summary, format_table
 
-    refusal = args.decisions and _unwritable(args.decisions)
-    if refusal:
-        print(f"smemguard check: --decisions {refusal}; nothing checked", file=sys.stderr)
-        return 2
-    try:
-        gpu_list = parse_gpus(args.gpu)
-        kernels = discover(args.targets, examples=args.examples, overrides=_overrides(args))
-    except TargetError as error:
-        print(f"smemguard check: {error}", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        variants = sum(len(kernel.variants) for kernel in kernels)
-        print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
-              f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with "
-              f"{args.jobs or os.cpu_count()} processes", file=sys.stderr, flush=True)
-    cache = ResultCache(None) if args.no_cache else preflight.default_cache()
-    report = check(kernels, gpu_list, exact=args.exact, jobs=args.jobs, cache=cache,
-                   progress=None if args.quiet else _progress_printer())
-    if args.decisions and not _write_decisions(report, args.decisions, cache, quiet=args.quiet):
+    with _stdout_to_stderr():
+        report = _checked(args)
+    if report is None:
         return 2
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         if not args.quiet:  # the text summary says it; the document only lists them
-            for kernel in (kernel for kernel in kernels if kernel.unsure_unit_args):
+            for kernel in (kernel for kernel in report.kernels if kernel.unsure_unit_args):
                 print(f"smemguard check: {kernel.name}: {preflight.unsure_strides(kernel)}", file=sys.stderr)
     else:
         print(format_table(report))
         print()
         print(format_summary(report))
     return report.exit_status
+
+
+def _checked(args) -> Report | None:
+    """The check's report (running the target's code), or None once one line on stderr has said why none."""
+    from . import preflight
+    from .preflight import ResultCache, TargetError, check, discover
+
+    refusal = args.decisions and _unwritable(args.decisions)
+    if refusal:
+        print(f"smemguard check: --decisions {refusal}; nothing checked", file=sys.stderr)
+        return None
+    try:
+        gpu_list = parse_gpus(args.gpu)
+        overrides = _overrides(args, gpu_list)
+        jobs = _jobs(args.jobs)
+        kernels = discover(args.targets, examples=args.examples, overrides=overrides, import_timeout=args.timeout)
+        _refuse_unknown_meta(kernels, overrides.get("configs", []), gpu_list)
+        if not args.quiet:
+            variants = sum(len(kernel.variants) for kernel in kernels)
+            print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
+                  f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with {jobs} processes",
+                  file=sys.stderr, flush=True)
+        cache = ResultCache(None) if args.no_cache else preflight.default_cache()
+        report = check(kernels, gpu_list, exact=args.exact, jobs=jobs, cache=cache,
+                       progress=None if args.quiet else _progress_printer(), import_timeout=args.timeout)
+    except TargetError as error:
+        print(f"smemguard check: {error}", file=sys.stderr)
+        return None
+    if args.decisions and not _write_decisions(report, args.decisions, cache, quiet=args.quiet):
+        return None
+    return report
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """While the target's code runs (imports, compiles, decisions), what it prints goes to stderr, from Python, C
+    or a subprocess; the compiler processes inherit that. Stdout is the report's alone: --json parses."""
+    sys.stdout.flush()
+    try:
+        kept = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # stdout or stderr closed: there is no stream to keep clean
+        kept = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        for stream in (sys.stdout, sys.__stdout__):  # what the target wrote to them directly, still buffered
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or closed by the target
+                stream.flush()
+        if kept is not None:
+            os.dup2(kept, 1)
+            os.close(kept)
 
 
 def _unwritable(path: Path) -> str | None:

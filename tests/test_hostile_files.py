@@ -206,12 +206,12 @@ def test_check_of_a_kernel_that_fails_for_another_reason_is_not_an_overflow(tmp_
     smemguard_settings.current.cache_clear()
     try:
         status = cli.main(["check", "smemguard.examples:attention_fwd", "--meta",
-                           "BLOCK_M=64,BLOCK_N=32,num_warps=3,num_stages=2", "--gpu", "L4", "--quiet"])
+                           "BLOCK_M=64,BLOCK_N=48,num_warps=4,num_stages=2", "--gpu", "L4", "--quiet"])
     finally:
         smemguard_settings.current.cache_clear()
     out = capsys.readouterr().out
     assert status == 2 and "NO FITTING CONFIG" not in out
-    assert "NOT CHECKED: smemguard.examples:attention_fwd" in out and "num_warps must be a power of 2" in out
+    assert "NOT CHECKED: smemguard.examples:attention_fwd" in out and "arange's range must be a power of 2" in out
     assert not (tmp_path / "xdg").exists(), "a bad SMEMGUARD_CACHE_DIR is not replaced by the default cache"
 
 

@@ -327,9 +327,11 @@ class Report:
 
 
 def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: bool = False, jobs: int | None = None,
-          cache: ResultCache | None = None,
-          progress: Callable[[Progress], None] | None = None) -> Report:
-    """Verdicts for every kernel x config x specialization x GPU (see :mod:`smemguard.preflight`)."""
+          cache: ResultCache | None = None, progress: Callable[[Progress], None] | None = None,
+          import_timeout: float | None = None) -> Report:
+    """Verdicts for every kernel x config x specialization x GPU (see :mod:`smemguard.preflight`). Each compiler
+    process imports the kernels' modules again, each import within ``import_timeout`` seconds (None: unbounded);
+    raises :class:`TargetError` when one fails there."""
     started = time.perf_counter()
     cache = cache or ResultCache(None)
     jobs = max(1, jobs or os.cpu_count() or 1)
@@ -371,7 +373,7 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                 groups.append(_Group(group_items, arch_limits))
 
     compiles = 0
-    compiler = Compiler(jobs)
+    compiler = Compiler(jobs, import_timeout)
     try:
         in_flight: dict[concurrent.futures.Future, Item] = {}
         planned = 0

@@ -14,7 +14,7 @@ import re
 import subprocess
 import time
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import gpus, introspect, runtime
@@ -136,6 +136,14 @@ def build_request(kernel: CheckedKernel, variant: Variant, spec: Specialization,
         if spec.aligned and specializable and not param.do_not_specialize_on_alignment:
             divisible.append(name)
     return CompileRequest(signature, constants, tuple(divisible), options, arch, kernel.locator)
+
+
+def hip_option_names() -> frozenset[str]:
+    """What a config may name on AMD besides the kernel's parameters (``waves_per_eu``, ``kpack``, ...): the
+    fields of Triton's ``HIPOptions``, which :func:`build_request` passes on as options, as a launch does."""
+    from triton.backends.amd.compiler import HIPOptions
+
+    return frozenset(field.name for field in fields(HIPOptions))
 
 
 def _attrs(jit, request: CompileRequest) -> dict:
@@ -281,27 +289,38 @@ def _make_ir_takes_target(source_type) -> bool:
 
 
 _worker_jits: dict = {}
+_worker_import_timeout: float | None = None
+
+
+def _start_worker(import_timeout: float | None) -> None:
+    global _worker_import_timeout
+    _worker_import_timeout = import_timeout
 
 
 def _compile_in_worker(request: CompileRequest) -> dict:
     if request.locator not in _worker_jits:
-        _worker_jits[request.locator] = jit_from_locator(request.locator)
+        _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
     return compile_request(_worker_jits[request.locator], request)
 
 
 class Compiler:
     """Compiles in a pool of spawned processes (a fresh Triton each) when there are several jobs and
-    the kernel can be imported there; here otherwise."""
+    the kernel can be imported there; here otherwise. Each process imports the kernels' modules again
+    (their code runs there too), each import bounded by ``import_timeout`` seconds; one that fails
+    there raises :class:`TargetError` from the future. The processes write on this process's stdout
+    and stderr."""
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, import_timeout: float | None = None) -> None:
         self._jobs = jobs
+        self._import_timeout = import_timeout
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def submit(self, jit, request: CompileRequest) -> concurrent.futures.Future:
         if self._jobs > 1 and request.locator is not None and _picklable(request):
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self._jobs, mp_context=multiprocessing.get_context("spawn"))
+                    self._jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                    initargs=(self._import_timeout,))
             try:
                 return self._pool.submit(_compile_in_worker, request)
             except BrokenProcessPool:

@@ -3,6 +3,7 @@ specializations, and the same JIT function again in a worker process."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -10,7 +11,10 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
@@ -24,6 +28,65 @@ log = logging.getLogger(__name__)
 
 #: What a module's ``SMEMGUARD_PREFLIGHT`` entry (or the command line) can say about a kernel.
 _HINT_KEYS = ("dtype", "signature", "constants", "configs", "ones", "unit")
+
+#: An import still running after this long gets one line saying so: a package's first import (torch's
+#: included) takes seconds, a wait that never ends looks the same until the bound.
+SLOW_IMPORT = 30.0
+#: An import interrupted at its bound that has not unwound after as long again (at most this) caught the
+#: interruption, or sits in C code: then the process ends, as nothing else would end it.
+HARD_STOP_AFTER = 10.0
+#: What a compile worker's import failing says: the check's own process imported the same module.
+IN_WORKER = "in a compile worker, although this process imported it"
+
+
+class ImportTimeout(BaseException):
+    """Raised into an import that outlived its bound: no Exception, so that the imported code's own
+    ``except Exception`` does not take it for one of its errors."""
+
+
+@contextlib.contextmanager
+def bounded_import(name: str, seconds: float | None, in_worker: bool = False):
+    """Let the import of ``name`` run for ``seconds`` at most, then raise :class:`TargetError` (or end the
+    process, see :data:`HARD_STOP_AFTER`). Unbounded with ``seconds`` None or outside the main thread (an API
+    caller's thread), which signals cannot interrupt."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if in_worker:
+        why = (f"{name!r} did not finish importing in {seconds:g} s (--timeout) {IN_WORKER}: does its import wait "
+               "for something this process holds? (--jobs 1 compiles without workers)")
+        ends = "no report", "this compile worker ends, its compiles fail"
+    else:
+        why = (f"{name!r} did not finish importing in {seconds:g} s (--timeout): an endless loop at import, or a "
+               "wait for something that never comes")
+        ends = "nothing checked", "nothing checked"
+
+    def interrupt(signum, frame):
+        raise ImportTimeout
+
+    finished = threading.Event()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    what = f"{name!r} in a compile worker" if in_worker else repr(name)
+    threading.Thread(target=_stop_if_stuck, args=(what, seconds, f"{why}; {ends[1]}", finished), daemon=True).start()
+    try:
+        yield
+    except ImportTimeout:
+        raise TargetError(f"{why}; {ends[0]}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        finished.set()
+
+
+def _stop_if_stuck(what: str, seconds: float, line: str, finished: threading.Event) -> None:
+    started = time.monotonic()
+    if SLOW_IMPORT < seconds and not finished.wait(SLOW_IMPORT):
+        log.warning("smemguard check: still importing %s after %g s (stopped at %g s: --timeout)", what, SLOW_IMPORT,
+                    seconds)
+    if not finished.wait(seconds + min(seconds, HARD_STOP_AFTER) - (time.monotonic() - started)):
+        os.write(2, f"smemguard check: {line}\n".encode())
+        os._exit(2)
 
 
 def _triton_classes():
@@ -100,7 +163,7 @@ def _split_target(target: str) -> tuple[str, str | None]:
     return (match.group(1), match.group(2)) if match else (target, None)
 
 
-def _open_target(target: str) -> tuple[ModuleType, str | None, str | None]:
+def _open_target(target: str, import_timeout: float | None) -> tuple[ModuleType, str | None, str | None]:
     """The module named or pointed at by ``target``, the attribute asked for, and the file if a path."""
     where, attribute = _split_target(target)
     looks_like_path = where.endswith(".py") or os.sep in where or Path(where).is_file()
@@ -110,8 +173,10 @@ def _open_target(target: str) -> tuple[ModuleType, str | None, str | None]:
             if not path.is_file():  # a FIFO is never opened: it would wait for a writer
                 raise TargetError(f"{target!r}: " + ("a directory, not a kernel file" if path.is_dir() else
                                                       "not a regular file" if path.exists() else "no such file"))
-            return _load_file(path), attribute, str(path)
-        return importlib.import_module(where), attribute, None
+            with bounded_import(where, import_timeout):
+                return _load_file(path), attribute, str(path)
+        with bounded_import(where, import_timeout):
+            return importlib.import_module(where), attribute, None
     except TargetError:
         raise
     except (Exception, SystemExit) as error:  # a module calling sys.exit() at import must not pick our exit status
@@ -139,22 +204,33 @@ def _innermost(obj):
     raise TargetError(f"{type(obj).__name__} is not a Triton kernel")
 
 
-def jit_from_locator(locator: tuple[str, str, str | None]):
+def jit_from_locator(locator: tuple[str, str, str | None], import_timeout: float | None = None):
+    """The JIT function ``locator`` names, imported again in a compile worker; :class:`TargetError` when the
+    import fails or outlives ``import_timeout`` there."""
     module_name, attribute, file = locator
-    return _innermost(_resolve_attribute(_import(module_name, file), attribute))[0]
+    name = file or module_name
+    with bounded_import(name, import_timeout, in_worker=True):
+        try:
+            module = _import(module_name, file)
+        except (Exception, SystemExit) as error:  # neither a traceback nor the target's exit status
+            raise TargetError(f"{name!r} could not be imported {IN_WORKER}: {introspect.error_summary(error)} "
+                              "(--jobs 1 compiles without workers); no report") from None
+    return _innermost(_resolve_attribute(module, attribute))[0]
 
 
-def discover(targets: Sequence[str], examples: bool = False, overrides: dict | None = None) -> list[CheckedKernel]:
+def discover(targets: Sequence[str], examples: bool = False, overrides: dict | None = None,
+             import_timeout: float | None = None) -> list[CheckedKernel]:
     """The kernels named by ``targets`` (modules, ``module:kernel``, files) and, with ``examples``,
     smemguard's own example kernels. ``overrides`` are hints (see :data:`_HINT_KEYS`) that win over
-    those a module declares in ``SMEMGUARD_PREFLIGHT``. Raises :class:`TargetError`."""
+    those a module declares in ``SMEMGUARD_PREFLIGHT``. Importing a target runs its code; each import
+    may take ``import_timeout`` seconds (None: unbounded). Raises :class:`TargetError`."""
     overrides = overrides or {}
     found: list[tuple[str, ModuleType, str, str | None, Any, bool]] = []
     names = list(targets) + (["smemguard.examples"] if examples else [])
     if not names:
         raise TargetError("nothing to check: name a module, module:kernel or file, or pass --examples")
     for target in names:
-        module, attribute, file = _open_target(target)
+        module, attribute, file = _open_target(target, import_timeout)
         label = Path(file).name if file else module.__name__
         if attribute is not None:
             try:
@@ -172,7 +248,7 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
         before = len(found)
         package = hasattr(module, "__path__") and file is None
         # A package: the kernels each of its modules defines (they import each other's).
-        for member in [module, *_package_modules(module)] if package else [module]:
+        for member in [module, *_package_modules(module, import_timeout)] if package else [module]:
             found.extend(_module_kernels(member, member.__name__ if package else label, file, defined_here=package))
         if len(found) == before:
             raise TargetError(f"{target!r} defines no Triton kernel" + (", nor does any module of the package"
@@ -188,8 +264,9 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
             if explicit:
                 raise TargetError(f"{name}: no config to check: it is a plain @triton.jit kernel with constexprs "
                                   "that have no default; give them with --meta NAME=VALUE,... (one --meta per config)")
-            log.warning("smemguard check: skipping %s: a plain @triton.jit kernel whose constexprs have no default "
-                        "(name it as module:kernel with --meta to check it)", name)
+            if not _called_by_a_kernel_of(module, attribute):  # a helper is checked in its callers' compiles
+                log.warning("smemguard check: skipping %s: a plain @triton.jit kernel whose constexprs have no "
+                            "default (name it as module:kernel with --meta to check it)", name)
             continue
         if all(kernel.name != known.name for known in kernels):
             kernels.append(kernel)
@@ -216,17 +293,25 @@ def _module_kernels(module: ModuleType, label: str, file: str | None, defined_he
     return found
 
 
-def _package_modules(package: ModuleType) -> list[ModuleType]:
+def _called_by_a_kernel_of(module: ModuleType, attribute: str) -> bool:
+    """Whether another Triton function of ``module`` calls ``attribute`` (``smemguard.examples._matmul_tile``, which
+    both matmul kernels call): a helper compiled into its callers, never launched alone."""
+    return any(source.calls(_innermost(obj)[0]) >= {attribute} for name, obj in vars(module).items()
+               if name != attribute and _is_kernel(obj) and _innermost(obj)[0] is not None)
+
+
+def _package_modules(package: ModuleType, import_timeout: float | None) -> list[ModuleType]:
     """Every module of ``package``, its subpackages' too, in name order. One that cannot be imported (a
     module calling ``sys.exit()`` at import included: it must neither pick the check's exit status nor hide
-    the package's other modules) is skipped with one warning line: the package was named, not that module."""
+    the package's other modules) is skipped with one warning line: the package was named, not that module.
+    One that outlives ``import_timeout`` stops the check instead: skipped, its kernels would pass unchecked."""
     modules = {}
 
     def walk(package_path, prefix: str) -> None:
         import pkgutil
 
         for info in sorted(pkgutil.iter_modules(package_path, prefix), key=lambda info: info.name):
-            module = _import_or_skip(info.name)
+            module = _import_or_skip(info.name, import_timeout)
             if module is None:
                 continue
             modules[info.name] = module
@@ -237,14 +322,15 @@ def _package_modules(package: ModuleType) -> list[ModuleType]:
     return [modules[name] for name in sorted(modules)]
 
 
-def _import_or_skip(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except (Exception, SystemExit) as error:
-        why = (f"it calls sys.exit({error.code!r}) at import" if isinstance(error, SystemExit)
-               else f"it cannot be imported ({introspect.error_summary(error)})")
-        log.warning("smemguard check: skipping %s: %s", name, why)
-        return None
+def _import_or_skip(name: str, import_timeout: float | None) -> ModuleType | None:
+    with bounded_import(name, import_timeout):  # outside the try: a timeout stops the check, never skips
+        try:
+            return importlib.import_module(name)
+        except (Exception, SystemExit) as error:
+            why = (f"it calls sys.exit({error.code!r}) at import" if isinstance(error, SystemExit)
+                   else f"it cannot be imported ({introspect.error_summary(error)})")
+            log.warning("smemguard check: skipping %s: %s", name, why)
+            return None
 
 
 def _make_kernel(name: str, obj, hints: dict, locator_from: tuple) -> CheckedKernel | None:

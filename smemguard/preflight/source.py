@@ -118,6 +118,16 @@ def returns_a_value(jit) -> bool:
     return False
 
 
+def calls(jit) -> set[str]:
+    """The names of the functions ``jit``'s source calls (``helper(...)``, ``module.helper(...)``); empty when its
+    source cannot be read."""
+    try:
+        tree = _parse(jit, {})
+    except Exception:
+        return set()
+    return {_called_name(node) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+
+
 def _called_name(call: ast.Call) -> str:
     return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
 

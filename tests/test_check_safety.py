@@ -1,0 +1,231 @@
+"""``smemguard check`` runs the target's code: what it says about that, how long an import may take, what the
+target prints (never on stdout), and the --meta and --jobs values it refuses or lowers (issue 33, items 7-8)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from smemguard import cli, cli_check
+
+from conftest import ROOT, run_python
+
+COPY_KERNEL = """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(X, Out, n, BLOCK: tl.constexpr = 64):
+        cols = tl.arange(0, BLOCK)
+        tl.store(Out + cols, tl.load(X + cols, mask=cols < n), mask=cols < n)
+"""
+
+#: What a target does at import only in a compile worker (the check's own process imported it fine).
+IN_WORKER_ONLY = "import multiprocessing\nif multiprocessing.parent_process() is not None:\n"
+
+several_cpus = pytest.mark.skipif(cli_check.usable_cpus() < 2, reason="compile workers need --jobs 2, 2 CPUs")
+
+
+def check_process(argv, cwd, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+    """``smemguard check ARGV`` in a process of its own (an import that never ends, or ends the process, must not
+    take pytest's along); the result and its seconds."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
+           "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)])}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "smemguard.cli", "check", *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+    return done, time.monotonic() - started
+
+
+def test_help_says_the_check_runs_the_target_and_how_to_run_it_safely(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ("The check runs the target's code: it imports TARGET",
+                     "in this process, and again in each compiler process (--jobs)",
+                     "for code you do not trust, run the check where that code can do no harm",
+                     "container or sandbox", "docker run --rm --network none",
+                     "longer than --timeout (default 300 s", "exit status 2 and one line naming the module",
+                     "Whatever the target prints goes to stderr: stdout holds the report alone",
+                     "--timeout SECONDS", "num_stages (0 to 32", "32 warps on NVIDIA, 16 on CDNA",
+                     "any other name is refused", "more is lowered to that"):
+        assert expected in text, expected
+
+
+def test_an_endless_loop_at_import_stops_the_check_at_the_timeout_naming_the_module(tmp_path):
+    """A package whose second module never finishes importing: one line names that module, exit status 2, nothing
+    on stdout, after about --timeout (not skipped as a failing module is: its kernels would pass unchecked)."""
+    package = tmp_path / "loop_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a_kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    (package / "b_waits.py").write_text("while True:\n    pass\n")
+    done, seconds = check_process(["loop_pkg", "--gpu", "L4", "--json", "--timeout", "1"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "smemguard check: 'loop_pkg.b_waits' did not finish importing in 1 s (--timeout): an endless loop at "
+        "import, or a wait for something that never comes; nothing checked"]
+    assert done.stdout == "" and seconds < 30
+
+
+def test_an_import_that_swallows_the_interruption_is_stopped_all_the_same(tmp_path):
+    (tmp_path / "stubborn.py").write_text("import time\nwhile True:\n    try:\n        time.sleep(60)\n"
+                                          "    except BaseException:\n        pass\n")
+    done, seconds = check_process(["stubborn.py", "--gpu", "L4", "--timeout", "1"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "smemguard check: 'stubborn.py' did not finish importing in 1 s (--timeout): an endless loop at import, or "
+        "a wait for something that never comes; nothing checked"]
+    assert seconds < 30, "stopped one --timeout after the interruption did nothing"
+
+
+def test_a_slow_import_says_so_before_the_timeout(tmp_path):
+    (tmp_path / "slow_kernels.py").write_text("import time\ntime.sleep(1.5)\n" + textwrap.dedent(COPY_KERNEL))
+    done = run_python(f"""
+        import os, sys
+        from smemguard import cli
+        from smemguard.preflight import discovery
+        discovery.SLOW_IMPORT = 0.5
+        os.chdir({str(tmp_path)!r})
+        sys.exit(cli.main(["check", "slow_kernels.py", "--gpu", "L4", "--quiet", "--jobs", "1", "--timeout", "60"]))
+    """)
+    assert "smemguard check: still importing 'slow_kernels.py' after 0.5 s (stopped at 60 s: --timeout)" in done.stderr
+    assert "configs that fit: copy 1/1" in done.stdout
+
+
+@several_cpus
+def test_what_the_target_prints_goes_to_stderr_and_the_json_parses(tmp_path):
+    """Prints at import, here and in a compile worker, through print, the file descriptor, sys.__stdout__ and a
+    shell: all on stderr; stdout is the JSON document alone."""
+    (tmp_path / "noisy_kernels.py").write_text(textwrap.dedent("""
+        import multiprocessing, os, sys
+        where = "a compile worker" if multiprocessing.parent_process() is not None else "the main process"
+        print(f"print in {where}")
+        os.write(1, f"fd 1 in {where}\\n".encode())
+        sys.__stdout__.write(f"sys.__stdout__ in {where}\\n")
+        os.system(f"echo shell in {where}")
+    """) + textwrap.dedent(COPY_KERNEL))
+    done, _ = check_process(["noisy_kernels.py", "--gpu", "L4", "--json", "--quiet", "--jobs", "2", "--no-cache"],
+                            tmp_path)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["compiles"] == 2 and document["kernels"][0]["kernel"] == "noisy_kernels.py:copy"
+    for where in ("the main process", "a compile worker"):
+        for how in ("print", "fd 1", "sys.__stdout__", "shell"):
+            assert f"{how} in {where}" in done.stderr, (how, where)
+
+
+@several_cpus
+@pytest.mark.parametrize("import_in_worker, line", [
+    ("    while True:\n        pass\n",
+     "did not finish importing in 2 s (--timeout) in a compile worker, although this process imported it: does "
+     "its import wait for something this process holds? (--jobs 1 compiles without workers); no report"),
+    ("    raise SystemExit(0)\n",
+     "could not be imported in a compile worker, although this process imported it: SystemExit: 0 (--jobs 1 "
+     "compiles without workers); no report")], ids=["hangs", "exits"])
+def test_a_compile_worker_that_cannot_import_the_target_stops_the_check(tmp_path, import_in_worker, line):
+    (tmp_path / "worker_kernels.py").write_text(IN_WORKER_ONLY + import_in_worker + textwrap.dedent(COPY_KERNEL))
+    done, seconds = check_process(["worker_kernels.py", "--gpu", "L4", "--quiet", "--jobs", "2", "--no-cache",
+                                   "--timeout", "2"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"smemguard check: '{(tmp_path / 'worker_kernels.py').resolve()}' {line}"]
+    assert done.stdout == "" and seconds < 60
+
+
+def test_meta_options_no_launch_takes_are_refused_with_one_line(tmp_path, capsys):
+    """num_warps and num_stages outside a decision file's bounds (1024 threads a block; 32 stages) are refused
+    before the target is imported; a name that is no constexpr nor option once its kernel is known."""
+    (tmp_path / "meta_target_kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    target = str(tmp_path / "meta_target_kernels.py")
+
+    def refused(meta, gpus="L4"):
+        assert cli.main(["check", target, "--gpu", gpus, "--meta", meta, "--no-cache", "--jobs", "1"]) == 2, meta
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    started = time.monotonic()
+    assert refused("BLOCK=64,num_stages=100000") == (
+        "smemguard check: --meta 'BLOCK=64,num_stages=100000': num_stages=100000: expected an integer from 0 to 32; "
+        "compile time grows with the stages: 512 take minutes")
+    assert time.monotonic() - started < 5, "refused, not compiled"
+    assert refused("num_warps=1024").endswith(
+        "num_warps=1024: expected a power of two from 1 to 32 (warps of 32 threads: a block has 1024 at most)")
+    assert "num_warps=3: expected a power of two" in refused("num_warps=3")
+    assert "num_warps='many': expected a power of two" in refused("num_warps=many")
+    assert refused("num_warps=32", gpus="L4,MI300X").endswith(
+        "num_warps=32 is 2048 threads a block on MI300X (64 a warp), over the 1024 a block can have: at most "
+        "num_warps=16 there")
+    assert "num_stages=2.5: expected an integer from 0 to 32" in refused("num_stages=2.5")
+    assert "num_ctas=0: expected an integer from 1 to 16" in refused("num_ctas=0")
+    assert "maxnreg=256: expected an integer from 1 to 255" in refused("maxnreg=256")
+    assert "meta_target_kernels" not in sys.modules, "refused before the target's code ran"
+
+    assert refused("BLOCK=64,bogus=1") == (
+        "smemguard check: --meta bogus=1: no constexpr of meta_target_kernels.py:copy, nor an option; its "
+        "constexprs: BLOCK; options: num_warps, num_stages, num_ctas, maxnreg")
+    assert "for AMD GPUs Triton's HIP options (waves_per_eu" in refused("BLOCK=64,bogus=1", gpus="MI300X")
+    # on NVIDIA an AMD option is what a launch there refuses too
+    assert "--meta waves_per_eu=2: no constexpr" in refused("BLOCK=64,waves_per_eu=2")
+
+
+def test_meta_options_at_their_bounds_are_checked(tmp_path, capsys):
+    (tmp_path / "bounds_kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    target = str(tmp_path / "bounds_kernels.py")
+    for gpu, meta in (("H100", "BLOCK=64,num_warps=32,num_stages=32"),
+                      ("MI300X", "BLOCK=64,num_warps=16,num_stages=0,waves_per_eu=2")):
+        argv = ["check", target, "--gpu", gpu, "--meta", meta, "--no-cache", "--jobs", "1", "--json", "--quiet"]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        [config] = json.loads(capsys.readouterr().out)["kernels"][0]["configs"]
+        assert f"num_warps={config['num_warps']}" in meta and f"num_stages={config['num_stages']}" in meta
+        assert {spec["verdict"] for spec in config["gpus"][gpu]["specializations"].values()} == {"fits"}
+
+
+def test_jobs_beyond_the_usable_cpus_are_lowered_with_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "jobs_kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    monkeypatch.setattr(cli_check, "usable_cpus", lambda: 1)
+    assert cli.main(["check", str(tmp_path / "jobs_kernels.py"), "--gpu", "L4", "--jobs", "100000",
+                     "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert ("smemguard check: --jobs 100000 lowered to 1, the CPUs this process can use: more processes compile no "
+            "faster, and each holds about 150 MB") in err
+    assert "compiling with 1 processes" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "1e12", "soon"])
+def test_a_timeout_that_bounds_nothing_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["check", "--examples", "--gpu", "L4", "--timeout", value])
+    assert usage.value.code == 2
+    assert f"expected seconds, more than 0 and at most 86400, not {value!r}" in capsys.readouterr().err
+
+
+def test_a_helper_its_kernels_call_is_not_warned_about_but_an_uncalled_kernel_is(tmp_path):
+    """``check --examples --quiet`` once warned about smemguard's own ``_matmul_tile``, which both matmul kernels
+    call: a helper is compiled in its callers. A kernel nothing calls, whose constexprs have no default, is still
+    named."""
+    (tmp_path / "helpers.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _store_tile(Out, cols, n, BLOCK: tl.constexpr):
+            tl.store(Out + cols, cols, mask=cols < n)
+
+        @triton.jit
+        def fill(Out, n, BLOCK: tl.constexpr = 64):
+            _store_tile(Out, tl.arange(0, BLOCK), n, BLOCK)
+
+        @triton.jit
+        def alone(Out, n, BLOCK: tl.constexpr):
+            tl.store(Out + tl.arange(0, BLOCK), 0)
+    """))
+    done, _ = check_process(["helpers", "--gpu", "L4", "--quiet"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["smemguard check: skipping helpers:alone: a plain @triton.jit kernel whose "
+                                        "constexprs have no default (name it as module:kernel with --meta to check "
+                                        "it)"]
