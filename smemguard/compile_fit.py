@@ -216,10 +216,10 @@ def _store(case, kernel, count: int, overflow, settings) -> None:
         return
     key, fields = case
     device, required, _ = overflow
-    store.put("compile", key, {
-        "action": STAGES_REDUCED, "final": f"num_stages={count}", **decisions.provenance(),
-        "from_config": f"num_stages={kernel.metadata.num_stages}", "gpu": decisions.gpu_label(device),
-        "resource": SHARED, "required": required, "options": {"num_stages": count}, **fields})
+    store.put("compile", key, decisions.new_entry(
+        fields, action=STAGES_REDUCED, final=f"num_stages={count}",
+        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=decisions.gpu_label(device), resource=SHARED,
+        required=required, options={"num_stages": count}))
 
 
 def _record(jit, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float, settings,
@@ -228,16 +228,14 @@ def _record(jit, kernel, fitted, final: str, overflow, attempts, remembered: boo
     name = introspect.kernel_name(jit)
     stages = kernel.metadata.num_stages
     code = jit.fn.__code__
-    record = {**incidents.new_record(name), "launched_as": LAUNCHED_AS, "phase": "compile",
-              **incidents.overflow_fields(device, SHARED, required, limit),
-              "action": STAGES_REDUCED, "final": final, "reason": None,
-              "source": f"{code.co_filename}:{code.co_firstlineno}", "source_hash": introspect.source_hash(jit),
-              "num_warps": kernel.metadata.num_warps, "num_stages": stages,
-              "attempts": [{"num_stages": stages, "shared": required}, *attempts],
-              "compiles": len(attempts), "internal_errors": len(steps.failed), "internal_steps": list(steps.failed),
-              "remembered": remembered,
-              "recovery_ms": round((time.perf_counter() - started) * 1000, 3)}
-    incidents.emit(record, settings.log_path, ("compile", name, device, limit, stages, required),
-                   "smemguard: %s: shared memory %d > %d B at num_stages=%d; compiled with %s (%d B) "
-                   "before it loaded, %d compile%s", name, required, limit, stages, final, fitted.metadata.shared,
-                   len(attempts), "" if len(attempts) == 1 else "s")
+    incident = incidents.Incident(
+        kernel=name, launched_as=LAUNCHED_AS, phase="compile", action=STAGES_REDUCED, final=final, resource=SHARED,
+        required=required, limit_hit=limit, started=started, device=device, internal_steps=steps.failed,
+        attempts=[{"num_stages": stages, "shared": required}, *attempts], compiles=len(attempts),
+        remembered=remembered, extras={"source": f"{code.co_filename}:{code.co_firstlineno}",
+                                       "source_hash": introspect.source_hash(jit),
+                                       "num_warps": kernel.metadata.num_warps, "num_stages": stages})
+    incidents.report(incident, settings.log_path, ("compile", name, device, limit, stages, required),
+                     "smemguard: %s: shared memory %d > %d B at num_stages=%d; compiled with %s (%d B) "
+                     "before it loaded, %d compile%s", name, required, limit, stages, final, fitted.metadata.shared,
+                     len(attempts), "" if len(attempts) == 1 else "s")

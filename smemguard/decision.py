@@ -18,8 +18,9 @@ RERAISED = "reraised"
 OBSERVED = "observed"
 #: torch.compile kernels (:mod:`smemguard.inductor`): smaller blocks of a kernel whose grid follows them.
 BLOCKS_REDUCED = "blocks_reduced"
-#: FlexAttention configs with smaller tiles, chosen before Inductor renders them
-#: (:mod:`smemguard.patches.inductor_flex_configs`).
+#: Smaller tiles chosen where the tiles are chosen: FlexAttention configs before Inductor renders them
+#: (:mod:`smemguard.patches.inductor_flex_configs`), a wrapper's own tile choice (:mod:`smemguard.patches._tile_choice`;
+#: records written before 2026-12-03 spell it ``tile_reduced``).
 TILES_REDUCED = "tiles_reduced"
 
 #: Actions applied by putting the replacement into Triton's JIT cache: same tiles, other options.

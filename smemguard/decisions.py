@@ -441,19 +441,28 @@ def case_name(decision) -> str:
     return "config" if decision.action == CONFIG_CHANGED else "launch"
 
 
+def new_entry(case: dict, *, action: str, final: str | None, from_config: str, gpu: str, resource: str,
+              required, **own) -> dict:
+    """An entry of any table (the launch guard's, the compile-time core's, torch.compile's): the ``case`` that keys
+    it, what every entry says (what was decided, from what, on which GPU, about what did not fit: a process that
+    meets it again refuses it before compiling), where and when (:func:`provenance`), and the table's ``own``
+    fields, which come last (torch.compile's ``config`` is the variant's, its case's the failing one's)."""
+    return {**case, "action": action, "final": final, "from_config": from_config, "gpu": gpu, "resource": resource,
+            "required": required, **provenance(), **own}
+
+
 def entry_of(decision, case: dict, gpu: str, error) -> tuple[str, dict]:
     """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu`` (:func:`gpu_label`)
-    about ``error`` (what the variant needs: a process that meets it again refuses it before compiling)."""
-    entry: dict[str, Any] = {"action": decision.action, "final": decision.final, **provenance(),
-                             "from_config": decision.attempts[0].config, "gpu": gpu,
-                             "resource": error.name, "required": error.required}
+    about ``error``."""
+    own: dict[str, Any] = {}
     if decision.options is not None:
-        entry["options"] = decision.options
+        own["options"] = decision.options
     else:
         if decision.config is not None:
-            entry["config"] = introspect.config_fields(decision.config)
+            own["config"] = introspect.config_fields(decision.config)
         if decision.fallback is not None:
-            entry["fallback"] = introspect.callable_name(decision.fallback)
-        entry["reason"] = decision.reason
-    entry.update(case)
-    return TABLES[case_name(decision)], entry
+            own["fallback"] = introspect.callable_name(decision.fallback)
+        own["reason"] = decision.reason
+    return TABLES[case_name(decision)], new_entry(
+        case, action=decision.action, final=decision.final, from_config=decision.attempts[0].config, gpu=gpu,
+        resource=error.name, required=error.required, **own)

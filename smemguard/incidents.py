@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import files, introspect, metrics, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
@@ -49,6 +49,50 @@ def overflow_fields(device: int, resource: str, required, limit_hit) -> dict:
     return {"triton": runtime.triton_version(), "device": runtime.device_description(device),
             "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
             "resource": resource, "required": required, "limit_hit": limit_hit}
+
+
+@dataclasses.dataclass
+class Incident:
+    """One incident record as every source writes it (docs/INCIDENTS.md): the launch guard, the compile-time
+    core, Inductor's load recovery, the FlexAttention configs, the wrapper tile choices and DeepGEMM. The common
+    fields are declared here once; what is a source's own goes in ``extras`` (after the common fields, so a source
+    cannot spell one of them another way)."""
+
+    kernel: str
+    launched_as: str
+    phase: str  # "launch" (Triton raised at the launch) or "compile" (found before anything loaded)
+    action: str  # one of smemguard.decision.ACTIONS
+    final: str | None
+    resource: str
+    required: Any
+    limit_hit: Any
+    started: float  # time.perf_counter() when the handling began: the record's recovery_ms
+    internal_steps: Sequence[str] = ()  # smemguard's own steps that failed in the handling (Steps.failed)
+    internal_errors: int | None = None  # those and any other errors of smemguard's; default: the failed steps
+    device: int | None = None  # None: not a Triton device (DeepGEMM): no device, Triton or limit fields
+    reason: str | None = None
+    attempts: list = dataclasses.field(default_factory=list)
+    compiles: int = 0
+    remembered: bool = False
+    extras: dict = dataclasses.field(default_factory=dict)
+
+    def record(self) -> dict:
+        record = {**new_record(self.kernel), "launched_as": self.launched_as, "phase": self.phase}
+        if self.device is None:
+            record.update(resource=self.resource, required=self.required, limit_hit=self.limit_hit)
+        else:
+            record.update(overflow_fields(self.device, self.resource, self.required, self.limit_hit))
+        errors = len(self.internal_steps) if self.internal_errors is None else self.internal_errors
+        record.update(action=self.action, final=self.final, reason=self.reason, attempts=self.attempts,
+                      compiles=self.compiles, remembered=self.remembered, internal_errors=errors,
+                      internal_steps=list(self.internal_steps),
+                      recovery_ms=round((time.perf_counter() - self.started) * 1000, 3))
+        return {**record, **{name: value for name, value in self.extras.items() if name not in record}}
+
+
+def report(incident: Incident, path: Path | None, case: tuple, message: str, *args) -> str | None:
+    """Write ``incident``'s record and log ``message % args`` once per ``case``; returns where the record went."""
+    return emit(incident.record(), path, case, message, *args)
 
 
 def _json_default(value):
@@ -163,33 +207,19 @@ def record_launch(launch, launched, failing, error, decision, started: float, lo
 def _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase):
     from .launch import describe
 
-    elapsed_ms = round((time.perf_counter() - started) * 1000, 3)
     device = runtime.current_device()
     kernel = introspect.kernel_name(launch.jit if launch is not None else launched)
-    record: dict[str, Any] = {
-        **new_record(kernel),
-        "launched_as": type(launched).__name__,
-        "phase": phase,
-        **overflow_fields(device, error.name, error.required, error.limit),
-        "action": decision.action,
-        "final": decision.final,
-        "reason": decision.reason or None,
-        "attempts": attempt_records(decision.attempts),
-        "internal_errors": sum(attempt.internal_error for attempt in decision.attempts) + len(decision.internal_steps),
-        "internal_steps": list(decision.internal_steps),
-        "compiles": sum(attempt.compile_ms is not None for attempt in decision.attempts),
+    extras: dict[str, Any] = {
         # Wall-clock time: compiles that ran concurrently are counted once.
         "compile_ms": decision.compile_ms or round(sum(attempt.compile_ms or 0.0 for attempt in decision.attempts), 3),
         "skipped": list(decision.skipped),
-        "remembered": decision.remembered,
         "timings_ms": decision.timings,
-        "recovery_ms": elapsed_ms,
     }
     if launch is not None and failing is not None:
         code = launch.jit.fn.__code__
         named = launch.named_args()
         constexprs = launch.constexpr_names()
-        record.update({
+        extras.update({
             "source": f"{code.co_filename}:{code.co_firstlineno}",
             "source_hash": introspect.source_hash(launch.jit),
             "constexprs": {k: describe_arg(v) for k, v in named.items() if k in constexprs},
@@ -201,11 +231,19 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
             "specialization": specialization(launch.jit, named),
             "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
         })
+    record = Incident(
+        kernel=kernel, launched_as=type(launched).__name__, phase=phase, action=decision.action, final=decision.final,
+        resource=error.name, required=error.required, limit_hit=error.limit, started=started, device=device,
+        internal_steps=decision.internal_steps,
+        internal_errors=sum(attempt.internal_error for attempt in decision.attempts) + len(decision.internal_steps),
+        reason=decision.reason or None, attempts=attempt_records(decision.attempts),
+        compiles=sum(attempt.compile_ms is not None for attempt in decision.attempts),
+        remembered=decision.remembered, extras=extras).record()
     failing = record.get("config") or ""
     where = emit(record, log_path, (kernel, device, failing),
                  "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms",
                  kernel, error.name, error.required, error.limit, failing or "?",
-                 action_text(decision, failing), max(len(decision.attempts) - 1, 0), elapsed_ms)
+                 action_text(decision, failing), max(len(decision.attempts) - 1, 0), record["recovery_ms"])
     return dataclasses.replace(decision, record=where)
 
 

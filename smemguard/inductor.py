@@ -42,6 +42,7 @@ import time
 
 from . import decisions, incidents, introspect, knobs, runtime
 from .decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .internal import Steps
 from .launch import Attempt
 
 log = logging.getLogger(__name__)
@@ -215,10 +216,10 @@ def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
     device = _device(autotuner)
     for config, action, candidate in replaced:
         case = _case(autotuner, config, device)
-        store.put("inductor", decisions.case_id(case), {
-            **case, "action": action, "resource": overflow.resource, "required": overflow.required,
-            "config": introspect.config_fields(candidate), "from_config": introspect.config_text(config),
-            "final": introspect.config_text(candidate), "gpu": decisions.gpu_label(device), **decisions.provenance()})
+        store.put("inductor", decisions.case_id(case), decisions.new_entry(
+            case, action=action, final=introspect.config_text(candidate), from_config=introspect.config_text(config),
+            gpu=decisions.gpu_label(device), resource=overflow.resource, required=overflow.required,
+            config=introspect.config_fields(candidate)))
 
 
 def _stored_variant(autotuner, config, entry: dict):
@@ -240,14 +241,14 @@ def load_remembered(autotuner, settings) -> None:
         return
     from torch._dynamo.device_interface import DeviceGuard
 
-    started, device = time.perf_counter(), _device(autotuner)
+    started, device, steps = time.perf_counter(), _device(autotuner), Steps(kernel_name(autotuner))
     trial, replaced, overflow = _Trial(autotuner, runtime.effective_limit(device)), [], None
     with DeviceGuard(autotuner.get_device_interface(), device):
         for index, result in enumerate(list(autotuner.compile_results)):
             key = decisions.case_id(_case(autotuner, result.config, device))
             entry = store.get("inductor", key)
             if entry is not None:
-                _with_live_function(autotuner)
+                steps.run("reload the kernel's function", _with_live_function, autotuner)
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
                 runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
@@ -263,7 +264,8 @@ def load_remembered(autotuner, settings) -> None:
     if replaced:
         _record(autotuner, overflow, [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False)
                                       for config, _, _ in replaced],
-                trial, [(action, candidate) for _, action, candidate in replaced], started, settings, remembered=True)
+                trial, [(action, candidate) for _, action, candidate in replaced], started, settings, steps,
+                remembered=True)
 
 
 def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
@@ -275,8 +277,9 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     started = time.perf_counter()
     overflow = overflow_of(error)
     device = _device(autotuner)
+    steps = Steps(kernel_name(autotuner))
     if not settings.observe_only:
-        _with_live_function(autotuner)
+        steps.run("reload the kernel's function", _with_live_function, autotuner)
     limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
     trial = _Trial(autotuner, limit)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
@@ -295,42 +298,36 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     if loaded:
         autotuner.compile_results = [result for result, _ in loaded]
         autotuner.launchers = [launcher for _, launcher in loaded]
-        store = decisions.store(settings.cache_dir)
+        store = steps.run("open the decision cache", decisions.store, settings.cache_dir, otherwise=lambda: None)
         if store is not None:
-            _remember(autotuner, overflow, replaced, store)
+            steps.run("store the decisions", _remember, autotuner, overflow, replaced, store, otherwise=lambda: None)
     _record(autotuner, overflow, failing, trial, [(action, candidate) for _, action, candidate in replaced], started,
-            settings)
+            settings, steps)
     return bool(loaded)
 
 
 def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
-            settings, remembered: bool = False) -> None:
+            settings, steps: Steps, remembered: bool = False) -> None:
     action = chosen[0][0] if chosen else (OBSERVED if settings.observe_only else RERAISED)
     final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
     name = kernel_name(autotuner)
     device = _device(autotuner)
-    record = {
-        **incidents.new_record(name),
-        "launched_as": "CachingAutotuner",
-        "phase": "compile",
-        "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
-                     "source_hash": introspect.source_hash(autotuner.fn)},
-        **incidents.overflow_fields(device, overflow.resource, overflow.required, overflow.limit),
-        "config": failing[0].config if failing else None,
-        "action": action,
-        "remembered": remembered,
-        "final": final,
-        "reason": None if chosen else _why_not(autotuner, settings),
-        "attempts": incidents.attempt_records([*failing[:1], *trial.attempts]),
-        "compiles": len(trial.attempts),
-        "compile_ms": round(trial.compile_ms, 3),
-        "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
-        "internal_errors": 0,
-    }
-    verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else record["reason"]
-    incidents.emit(record, settings.log_path, ("inductor", name, device, record["config"]),
+    config = failing[0].config if failing else None
+    reason = None if chosen else _why_not(autotuner, settings)
+    incident = incidents.Incident(
+        kernel=name, launched_as="CachingAutotuner", phase="compile", action=action, final=final,
+        resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
+        device=device, internal_steps=steps.failed, reason=reason,
+        attempts=incidents.attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),
+        remembered=remembered, extras={
+            "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
+                         "source_hash": introspect.source_hash(autotuner.fn)},
+            "config": config, "compile_ms": round(trial.compile_ms, 3)})
+    verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else reason
+    record = incident.record()
+    incidents.emit(record, settings.log_path, ("inductor", name, device, config),
                    "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
-                   overflow.resource, overflow.required, overflow.limit, record["config"], verdict,
+                   overflow.resource, overflow.required, overflow.limit, config, verdict,
                    len(trial.attempts), record["recovery_ms"])
 
 

@@ -46,6 +46,24 @@ def test_a_template_that_does_not_fit_loads_with_fewer_stages(install_guard, inc
         (None, 131072, False), ("num_stages=4", 98304, True)], "one compile: the next stage count fits"
 
 
+def test_inductors_recovery_counts_its_own_failed_steps_in_the_record(install_guard, incident_log, monkeypatch,
+                                                                      triton_cache, tmp_path):
+    """A bug of smemguard's while storing Inductor's decision: the kernel still loads its fitting variant, and the
+    record counts the step (it once said ``internal_errors: 0`` whatever happened)."""
+    def broken(*args, **kwargs):
+        raise KeyError("smemguard's own bug")
+
+    monkeypatch.setattr(inductor, "_remember", broken)
+    kernel = template_matmul("L4", num_stages=5)
+    install_guard(cache_dir=tmp_path / "decisions")
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    assert [result.config.num_stages for result in kernel.compile_results] == [4]
+    [record] = records(incident_log)
+    assert (record["action"], record["internal_errors"], record["internal_steps"]) == (
+        "stages_reduced", 1, ["store the decisions"])
+
+
 def test_a_template_nothing_fits_keeps_inductors_error_and_says_why(install_guard, incident_log, monkeypatch,
                                                                    triton_cache):
     kernel = template_matmul("L4", num_stages=2)

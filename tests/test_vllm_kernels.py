@@ -144,7 +144,7 @@ def test_unified_attention_head_512_on_a_t4_gets_a_smaller_tile(unified_attentio
         assert tiles_run["attention"] == [16], "later calls of the shape class choose 16 at once, no failed launch"
         assert len(gpu.launches) == 2
     actions = [(record["action"], record.get("final")) for record in records(incident_log)]
-    assert actions == [("observed", None), ("reraised", None), ("tile_reduced", "TILE_SIZE=16")]
+    assert actions == [("observed", None), ("reraised", None), ("tiles_reduced", "TILE_SIZE=16")]
     smemguard.uninstall()
     assert backend.unified_attention is unified_attention.unified_attention is vllms_own
 
@@ -227,7 +227,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
     first, again = device.launches
     assert first.grid == again.grid == (seqs, heads, seq_len // block), "the wrapper's grid for the smaller BLOCK"
     assert first.shared <= device.max_shared and first.num_stages == 1
-    tile_records = [record for record in records(incident_log) if record["action"] == "tile_reduced"]
+    tile_records = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
     assert [(record["final"], record["shape_class"]["head_size"]) for record in tile_records] == [
         (f"BLOCK_M={block}", 256)], "one decision for the shape class; the second call chose the smaller BLOCK at once"
     smemguard.uninstall()

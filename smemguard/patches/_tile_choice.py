@@ -17,7 +17,7 @@ and the wrapper called again, down to the smallest tile. From the first such dec
 choice function gets a layer too that answers the smaller tile when the wrapper asks for that shape
 class, so every kernel of the call that reads the choice sees the same value and later calls choose
 it at once. A failure of any later launch of the call is never retried. One incident record
-(``"action": "tile_reduced"``) per shape class, after the engine's own record of the failed launch.
+(``"action": "tiles_reduced"``) per shape class, after the engine's own record of the failed launch.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from . import Layer
 from .. import incidents, runtime
+from ..decision import TILES_REDUCED
 from ..internal import Steps
 from ..launch import Attempt
 
@@ -228,22 +229,15 @@ class TileChoice:
             shape_class = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
                            for name, value in zip(self.shape_fields, shape)}
             chosen = f"{self.tile}={final}"
-            record = {
-                **incidents.new_record(f"{self.module}:{self.kernel}"),
-                "launched_as": f"{self.module}:{self.wrapper}",
-                **incidents.overflow_fields(device, error.name, error.required, error.limit),
-                "shape_class": shape_class,
-                "config": failed[0].config,
-                "attempts": incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
-                "action": "tile_reduced",
-                "final": chosen,
-                "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
-                "internal_errors": len(internal_steps),
-                "internal_steps": internal_steps,
-            }
-            incidents.emit(record, self._log_path, (self.kernel, key),
-                           "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
-                           self.kernel, error.name, error.required, error.limit, failed[0].config,
-                           " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)
+            incident = incidents.Incident(
+                kernel=f"{self.module}:{self.kernel}", launched_as=f"{self.module}:{self.wrapper}", phase="launch",
+                action=TILES_REDUCED, final=chosen, resource=error.name, required=error.required,
+                limit_hit=error.limit, started=started, device=device, internal_steps=internal_steps,
+                attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
+                extras={"shape_class": shape_class, "config": failed[0].config})
+            incidents.report(incident, self._log_path, (self.kernel, key),
+                             "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now "
+                             "on", self.kernel, error.name, error.required, error.limit, failed[0].config,
+                             " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)
         except Exception:
             log.warning("smemguard: could not write the incident record for %s", self.kernel, exc_info=True)

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from . import Layer, wrapt_layer
 from .. import incidents, runtime
+from ..decision import FALLBACK as FALLBACK_ACTION
 from ..versions import Supported
 
 log = logging.getLogger(__name__)
@@ -364,24 +365,19 @@ def _static_arrays(text: str) -> int:
 
 
 def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, reason: str, started: float) -> None:
-    record = {
-        **incidents.new_record(KERNEL),
-        "resource": "shared memory",
-        "action": "fallback",
-        "final": f"fallback {FALLBACK}",
-        "reason": {"shared data": "ptxas: uses too much shared data",
-                   "host assertion": "DeepGEMM's host assertion on the scheduler's shared memory",
-                   "build": f"the scheduler did not build, and {scheduler.static_arrays} static per-request "
-                            f"arrays for {call.batch} requests need {STATIC_SHARED_LIMIT} B or more"}[reason],
-        "args": {"context_lens": incidents.describe_arg(call.context_lens), "block_size": call.block_size,
-                 "num_sms": call.num_sms, "indices": incidents.describe_arg(call.indices)},
-        "slots": call.slots,
-        "variant": scheduler.variant,
-        "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
-        "error": f"{type(error).__name__}: {error}",
-        "recovery_ms": round((time.perf_counter() - started) * 1000, 3),
-    }
-    incidents.emit(record, _log_path, (KERNEL, *call.key),
-                   "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
-                   "in torch from now on for batches this large", KERNEL, call.batch, record["reason"],
-                   scheduler.variant)
+    why = {"shared data": "ptxas: uses too much shared data",
+           "host assertion": "DeepGEMM's host assertion on the scheduler's shared memory",
+           "build": f"the scheduler did not build, and {scheduler.static_arrays} static per-request "
+                    f"arrays for {call.batch} requests need {STATIC_SHARED_LIMIT} B or more"}[reason]
+    incident = incidents.Incident(
+        kernel=KERNEL, launched_as=f"{TARGET_MODULE}:{FUNCTION}", phase="launch", action=FALLBACK_ACTION,
+        final=f"fallback {FALLBACK}", resource="shared memory", required=None, limit_hit=None, started=started,
+        reason=why, extras={
+            "args": {"context_lens": incidents.describe_arg(call.context_lens), "block_size": call.block_size,
+                     "num_sms": call.num_sms, "indices": incidents.describe_arg(call.indices)},
+            "slots": call.slots, "variant": scheduler.variant,
+            "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
+            "error": f"{type(error).__name__}: {error}"})
+    incidents.report(incident, _log_path, (KERNEL, *call.key),
+                     "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
+                     "in torch from now on for batches this large", KERNEL, call.batch, why, scheduler.variant)

@@ -54,6 +54,7 @@ import inspect
 import logging
 import sys
 import threading
+import time
 
 from .. import incidents, runtime
 from ..decision import TILES_REDUCED
@@ -119,21 +120,23 @@ def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     return config
 
 
-def _offer_fitting(kind: str, configs: list, head_dim: int, dtype) -> list:
+def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: float, steps: Steps) -> list:
     device = runtime.current_device()
     limit = runtime.effective_limit(device)
     offered = []
     for config in configs:
-        replacement = fitting(kind, config, head_dim, dtype, limit) if dataclasses.is_dataclass(config) else config
+        replacement = steps.run("fit the config", fitting, kind, config, head_dim, dtype, limit,
+                                otherwise=lambda: None) if dataclasses.is_dataclass(config) else config
         if replacement is None or replacement == config:
             offered.append(config)
             continue
         offered.append(replacement)
-        _report(kind, config, replacement, head_dim, dtype, device, limit)
+        _report(kind, config, replacement, head_dim, dtype, device, limit, started, steps)
     return offered
 
 
-def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int) -> None:
+def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int, started: float,
+            steps: Steps) -> None:
     key = (kind, head_dim, str(dtype), device, limit, str(config))
     with _lock:
         if key in _decided:
@@ -141,12 +144,12 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
         _decided.add(key)
     bound = one_stage_bytes(kind, config, head_dim, dtype)
     kernel = f"flex_attention_{kind}"
-    record = {**incidents.new_record(kernel), "launched_as": "torch.compile", "phase": "compile",
-              **incidents.overflow_fields(device, "shared memory", bound, limit),
-              "head_dim": head_dim, "dtype": str(dtype), "config": str(config), "action": TILES_REDUCED,
-              "final": str(replacement), "reason": f"at least {bound} B at one stage of its tiles",
-              "attempts": [], "compiles": 0, "internal_errors": 0}
-    incidents.emit(record, _log_path, ("flex", kind, head_dim, str(dtype), device, limit),
+    incident = incidents.Incident(
+        kernel=kernel, launched_as="torch.compile", phase="compile", action=TILES_REDUCED, final=str(replacement),
+        resource="shared memory", required=bound, limit_hit=limit, started=started, device=device,
+        internal_steps=steps.failed, reason=f"at least {bound} B at one stage of its tiles",
+        extras={"head_dim": head_dim, "dtype": str(dtype), "config": str(config)})
+    incidents.report(incident, _log_path, ("flex", kind, head_dim, str(dtype), device, limit),
                    "smemguard: FlexAttention %s (head dim %d, %s): Inductor's %s needs at least %d B at one stage, "
                    "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
 
@@ -174,14 +177,14 @@ def _head_dim_and_dtype(wrapped, args, kwargs) -> tuple:
 def _wrapper(kind: str):
     def offer(wrapped, instance, args, kwargs):
         configs = wrapped(*args, **kwargs)
-        steps = Steps(f"FlexAttention {kind}")
+        started, steps = time.perf_counter(), Steps(f"FlexAttention {kind}")
         read = steps.run("read the heuristic's arguments", _head_dim_and_dtype, wrapped, args, kwargs,
                          otherwise=lambda: None)
         if read is None:
             return configs
         head_dim, dtype = read
-        return steps.run("offer tiles that can fit", _offer_fitting, kind, list(configs), head_dim, dtype,
-                         otherwise=lambda: configs)
+        return steps.run("offer tiles that can fit", _offer_fitting, kind, list(configs), head_dim, dtype, started,
+                         steps, otherwise=lambda: configs)
 
     return offer
 

@@ -26,7 +26,7 @@ wrapper chose, the choice is halved for the call's shape class (query dtype and 
 device and limit) and the call runs again. ``get_block_size`` gets a layer (from the first such
 decision on) that returns the smaller tile when ``context_attention_fwd`` asks for that class (the
 head size is read from the wrapper's frame, its ``Lk``), so later calls of that class choose it at
-once. One incident record (``"action": "tile_reduced"``) per shape class.
+once. One incident record (``"action": "tiles_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 

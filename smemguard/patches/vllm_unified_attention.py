@@ -28,7 +28,7 @@ and ``unified_attention`` called again, down to the smallest tile. ``_get_tile_s
 that class, so the attention kernel and ``reduce_segments`` get the same value, and later calls of
 that class pick it at once, with no failed launch. A failure of any other launch
 (``reduce_segments``, after the attention kernel ran) is never retried. One incident record
-(``"action": "tile_reduced"``) per shape class, after the engine's own record of the failed launch.
+(``"action": "tiles_reduced"``) per shape class, after the engine's own record of the failed launch.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
