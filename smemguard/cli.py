@@ -41,13 +41,16 @@ a malformed setting in one line on stderr, as install() does; with SMEMGUARD=str
 
 exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
 replay: the record did not replay as recorded); 2 bad input: a usage error, a missing or unreadable
-file, malformed lines or entries (each named on stderr, the rest still used), a setting in strict mode.
+file, malformed lines or entries (named on stderr, the rest still used), a setting in strict mode.
 """
 
 # The exit statuses, per command, for its --help.
 REPORT_EXIT = """\
-exit status: 0 every line was used; 2 a FILE is missing or unreadable, or some lines (or fields)
-could not be used: each is named on stderr with its line number, and the table counts the rest.
+exit status: 0 every line was used; 2 a FILE is missing, unreadable or read only in part (reading
+stops after 4 GiB, gunzipped, or a million lines that are not blank: one line says where), or some
+lines (or fields) could not be used: the first 20 are named on stderr with their line numbers, the
+others counted in one line, and the table counts the rest; records of another schema than 1 are
+skipped, counted in one line per file.
 """
 REPLAY_EXIT = """\
 exit status: 0 reproduced and recovered as recorded (or the recorded config fits: nothing to
@@ -98,8 +101,8 @@ def _report(args) -> int:
     except ValueError as error:
         print(f"smemguard report: {error}", file=sys.stderr)
         return 2
-    malformed: list = []
-    records = report.read(args.files, malformed)
+    problems = report.Problems()
+    records = report.read(args.files, problems)
     if args.format == "prometheus" and importlib.util.find_spec("prometheus_client") is None:
         print("smemguard report: --format prometheus needs prometheus_client. Fix: pip install 'smemguard[metrics]'",
               file=sys.stderr)
@@ -108,23 +111,19 @@ def _report(args) -> int:
         print(report.format_prometheus(records, kernel=args.kernel, since=since), end="")
     elif args.json or args.format == "json":
         rows = report.summarize(records, kernel=args.kernel, since=since)
-        print(json.dumps({"rows": [row.as_json() for row in rows],
-                          "malformed": [vars(m) for m in malformed]}, indent=2))
+        print(json.dumps({"rows": [row.as_json() for row in rows], **problems.as_json()}, indent=2))
     else:
         rows = report.summarize(records, kernel=args.kernel, since=since)
         print(report.format_table(rows) if rows else "no incident records" + (" matching the filters" if
                                                                               args.kernel or since else ""))
-    for bad in malformed:
-        print(f"smemguard report: {bad}", file=sys.stderr)
-    lines = sum(1 for bad in malformed if bad.line)
-    if lines:
-        print(f"smemguard report: {lines} line(s) not fully used, listed above; the report counts the rest. Fix or "
-              "delete them (a line cut short is usually from a process killed while writing it).", file=sys.stderr)
-    return 2 if malformed else 0
+    for line in problems.text("the report counts the rest. Fix or delete them (a line cut short is usually from a "
+                              "process killed while writing it)."):
+        print(f"smemguard report: {line}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def _replay(args) -> int:
-    from . import replay
+    from . import replay, report
     from .settings import parse_max_shared
 
     try:
@@ -132,14 +131,13 @@ def _replay(args) -> int:
     except ValueError as error:
         print(f"smemguard replay: --limit {args.limit!r}: {error}", file=sys.stderr)
         return 2
-    malformed: list = []
+    problems = report.Problems()
     try:
-        found = replay.load(args.file, index=args.index, kernel=args.kernel, malformed=malformed)
+        found = replay.load(args.file, problems, index=args.index, kernel=args.kernel)
     except replay.ReplayError as error:
         found, failure = None, error
-    for bad in malformed:
-        if bad.line:  # an unreadable file is the failure itself
-            print(f"smemguard replay: {bad} (not counted by --index)", file=sys.stderr)
+    for line in problems.text("not counted by --index", files=found is not None):  # else the failure says why
+        print(f"smemguard replay: {line}", file=sys.stderr)
     if found is None:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2

@@ -19,11 +19,12 @@ import importlib
 import json
 import logging
 import tempfile
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
 from . import decisions, gpus, introspect, untrusted
-from .report import Malformed, Record, read
+from .report import Problems, Record, read
 from .settings import Settings
 from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
 
@@ -32,26 +33,32 @@ class ReplayError(Exception):
     """The record cannot be replayed here; the message says why and what to do."""
 
 
-def load(path: Path, index: int | None = None, kernel: str | None = None,
-         malformed: list[Malformed] | None = None) -> Record:
-    """Record ``index`` (0-based; default the last) of ``path``, or the last one whose kernel contains ``kernel``.
+def load(path: Path, problems: Problems, index: int | None = None, kernel: str | None = None) -> Record:
+    """Record ``index`` (0-based, negative from the end; default the last) of ``path``, or of the records whose
+    kernel contains ``kernel``. What cannot be used goes to ``problems`` and is not counted by ``index``.
 
-    Lines that are not incident records go to ``malformed`` and are not counted by ``index``."""
-    malformed = [] if malformed is None else malformed
-    records = list(read([path], malformed))
-    if kernel is not None:
-        records = [r for r in records if kernel in r.fields["kernel"]]
-    if not records:
-        unreadable = next((bad.reason for bad in malformed if bad.line == 0), None)
-        raise ReplayError(f"{printable(str(path))}: " + (unreadable or "no incident record" + (
-            f" for kernel {shown(kernel)}" if kernel else "") + (
-            f" ({len(malformed)} lines skipped)" if malformed else "")))
+    Only the records ``index`` needs are kept (a file may hold a million), and an ``index`` from the start stops
+    reading at its record."""
+    from_end = index is None or index < 0
+    # No file holds more than MAX_LINES records: a larger -index is out of range, whatever is kept
+    last = deque(maxlen=min(-index, untrusted.MAX_LINES) if index is not None and index < 0 else 1)
+    count = 0
+    for record in read([path], problems):
+        if kernel is not None and kernel not in record.fields["kernel"]:
+            continue
+        if not from_end and count == index:
+            return record
+        count += 1
+        last.append(record)
+    shown_path = printable(str(path))
+    if not count:
+        raise ReplayError(f"{shown_path}: " + (problems.unreadable(str(path)) or "no incident record" + (
+            f" for kernel {shown(kernel)}" if kernel else "")))
     if index is None:
-        return records[-1]
-    if not -len(records) <= index < len(records):
-        raise ReplayError(f"{printable(str(path))}: --index {index} out of range; it holds {len(records)} records "
-                          f"(0 to {len(records) - 1})")
-    return records[index]
+        return last[-1]
+    if from_end and len(last) == -index:
+        return last[0]
+    raise ReplayError(f"{shown_path}: --index {index} out of range; it holds {count} records (0 to {count - 1})")
 
 
 def _kernel_name(value) -> bool:
@@ -82,6 +89,10 @@ MAX_EXTENT = 2**40
 MAX_TENSOR_BYTES = 16 * 2**30
 MAX_GRID = 2**31 - 1
 MAX_INT = 2**63 - 1
+#: Where tensors are built when the launch is only compiled: the meta device keeps shapes, strides, dtypes and the
+#: recorded alignment (the pointers Triton specializes on), with no memory behind them, so a record of three
+#: 16 GiB tensors replays in the memory of a small one.
+COMPILING = "meta"
 
 TENSOR = {"shape": _bounded_list(MAX_EXTENT), "stride": _bounded_list(MAX_EXTENT),
           "dtype": Expect("a torch dtype such as torch.float16", lambda value: _dtype(value) is not None
@@ -272,7 +283,7 @@ def arguments(record: dict, device: str, seed: int | None = 0) -> dict:
 def _launcher(jit, record: dict, device: str) -> Callable[[], dict]:
     grid = tuple(record["grid"])
     options = {"num_warps": record["num_warps"], "num_stages": record["num_stages"]}
-    seed = None if device == "cpu" else 0
+    seed = None if device == COMPILING else 0
 
     def launch() -> dict:
         named = arguments(record, device, seed)
@@ -377,7 +388,7 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
         stand_in = arch
     say(f"no GPU: compiling for {arch if isinstance(arch, str) else f'sm_{arch}'} on a stand-in device with a "
         f"{limit} B limit (nothing executes)")
-    launch = _launcher(jit, record, "cpu")
+    launch = _launcher(jit, record, COMPILING)
     with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch, fake_gpu(stand_in, max_shared=limit):
         try:
             launch()
@@ -401,7 +412,7 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
                 recovered = False
         if obj is not jit and hasattr(obj, "configs"):
             say(f"  {type(obj).__name__} configs, compiled for this specialization:")
-            named = arguments(record, "cpu", seed=None)
+            named = arguments(record, COMPILING, seed=None)
             for config in obj.configs:
                 untuned = {name: value for name, value in named.items() if name not in config.kwargs}
                 try:

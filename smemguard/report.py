@@ -9,9 +9,14 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from . import untrusted
+from . import incidents, untrusted
 from .incidents import TIME_FORMAT
 from .untrusted import NAME, NUMBER, TEXT, Expect, printable
+
+
+#: The lines not fully used that are named one by one, over all the files read; the others are only counted: a file
+#: of a million bad lines gives a screenful, and nothing is kept per line.
+MAX_NAMED = 20
 
 
 @dataclass
@@ -25,6 +30,62 @@ class Malformed:
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}" if self.line else self.path
         return f"{printable(where)}: {self.reason}"
+
+
+@dataclass
+class OtherSchema:
+    """The records of one file that are of another schema than this smemguard's: how many, and the first."""
+
+    path: str
+    line: int
+    why: str
+    count: int = 0
+
+    def __str__(self) -> str:
+        return (f"{printable(self.path)}: {self.count} record(s) of another schema skipped; the first, line "
+                f"{self.line}: {self.why}")
+
+
+@dataclass
+class Problems:
+    """What :func:`read` could not use: every file it could not read to the end, the first MAX_NAMED lines not
+    fully used (the others counted), and per file the records of another schema (counted)."""
+
+    named: list[Malformed] = field(default_factory=list)
+    lines: int = 0
+    other_schema: dict[str, OtherSchema] = field(default_factory=dict)
+
+    def line(self, path: str, number: int, reason: str) -> None:
+        self.lines += 1
+        if self.lines <= MAX_NAMED:
+            self.named.append(Malformed(path, number, reason))
+
+    def file(self, path: str, reason: str) -> None:
+        self.named.append(Malformed(path, 0, reason))
+
+    def schema(self, path: str, number: int, why: str) -> None:
+        self.other_schema.setdefault(path, OtherSchema(path, number, why)).count += 1
+
+    def unreadable(self, path: str) -> str | None:
+        """Why ``path`` could not be read to its end, if it could not."""
+        return next((bad.reason for bad in self.named if bad.line == 0 and bad.path == path), None)
+
+    def __bool__(self) -> bool:
+        return bool(self.named or self.other_schema)
+
+    def text(self, rest: str, files: bool = True) -> list[str]:
+        """The lines to print: each problem named, then one line counting the lines not fully used (``rest``
+        ends it), then one per file of records of another schema; ``files=False`` leaves out the files that
+        could not be read to the end (where the command says so itself)."""
+        shown = [str(bad) for bad in self.named if files or bad.line]
+        if self.lines:
+            listed = "listed above" if self.lines <= MAX_NAMED else f"the first {MAX_NAMED} listed above"
+            shown.append(f"{self.lines} line(s) not fully used, {listed}; {rest}")
+        return shown + [str(skipped) for skipped in self.other_schema.values()]
+
+    def as_json(self) -> dict:
+        return {"malformed": [vars(bad) for bad in self.named], "malformed_not_listed": max(self.lines - MAX_NAMED, 0),
+                "other_schema": [vars(skipped) for skipped in self.other_schema.values()]}
 
 
 @dataclass
@@ -70,6 +131,10 @@ def _arguments(value) -> bool:
 DEVICE_FIELDS = {"name": TEXT.or_null(), "backend": TEXT, "arch": Expect("an integer or text", lambda value: (
     isinstance(value, (int, str)) and not isinstance(value, bool)))}
 
+#: A record of another schema (one written by another version, or no record of smemguard's) is skipped, and counted.
+SCHEMA = Expect(f"{incidents.SCHEMA}, the schema this smemguard reads", lambda value: (
+    untrusted.integer().test(value) and value == incidents.SCHEMA))
+
 #: Without these a line is not an incident record the report can count.
 REQUIRED = {"kernel": NAME, "action": NAME}
 
@@ -93,30 +158,34 @@ class Record:
     fields: dict  # the record, less any optional field of the wrong type
 
 
-def read(paths: Iterable[Path], malformed: list[Malformed]) -> Iterator[Record]:
+def read(paths: Iterable[Path], problems: Problems) -> Iterator[Record]:
     """The incident records of every file, in order; every line or file that cannot be used, or
-    only in part, goes to ``malformed`` with the reason (never fatal)."""
-    for path in paths:
-        for line in untrusted.json_lines(path):
-            if line.problem is not None:
-                malformed.append(Malformed(str(path), line.number, line.problem + ("" if line.number == 0 else
-                                                                                   "; line skipped")))
-                continue
-            if not isinstance(line.value, dict):
-                malformed.append(Malformed(str(path), line.number, "not an incident record but "
-                                           f"{untrusted.shown(line.value, 40)}; line skipped"))
-                continue
-            fatal = untrusted.problems(line.value, REQUIRED)
-            if fatal:
-                malformed.append(Malformed(str(path), line.number, f"not an incident record: {'; '.join(fatal)}; "
-                                           "line skipped"))
-                continue
-            fields = dict(line.value)
-            for name, expect in OPTIONAL.items():
-                if name in fields and (problem := expect.problem(name, fields[name])) is not None:
-                    malformed.append(Malformed(str(path), line.number, f"{problem}; counted without it"))
-                    del fields[name]
-            yield Record(str(path), line.number, fields)
+    only in part, goes to ``problems`` with the reason (never fatal), and so does each record of another schema."""
+    for path in map(str, paths):
+        for line in untrusted.json_lines(Path(path)):
+            if line.number == 0:
+                problems.file(path, line.problem)
+            elif line.problem is not None:
+                problems.line(path, line.number, f"{line.problem}; line skipped")
+            elif not isinstance(line.value, dict):
+                problems.line(path, line.number, "not an incident record but "
+                              f"{untrusted.shown(line.value, 40)}; line skipped")
+            elif other := untrusted.problems(line.value, {"schema": SCHEMA}):
+                problems.schema(path, line.number, other[0])
+            elif fatal := untrusted.problems(line.value, REQUIRED):
+                problems.line(path, line.number, f"not an incident record: {'; '.join(fatal)}; line skipped")
+            else:
+                yield Record(path, line.number, _usable(path, line, problems))
+
+
+def _usable(path: str, line: untrusted.Line, problems: Problems) -> dict:
+    """The record less any optional field of the wrong type, named in ``problems`` (one line for the line)."""
+    wrong = {name: problem for name, expect in OPTIONAL.items()
+             if name in line.value and (problem := expect.problem(name, line.value[name])) is not None}
+    if wrong:
+        problems.line(path, line.number, "; ".join(wrong.values()) + "; counted without "
+                      + ("it" if len(wrong) == 1 else "them"))
+    return {name: value for name, value in line.value.items() if name not in wrong}
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,14 @@ from . import files
 
 #: Longer lines are skipped, not read into memory (a record is a few KiB).
 MAX_LINE = 16 * 1024 * 1024
-#: An incident file (after gunzip) is read up to this many bytes: a gzip bomb ends there.
+#: A file of lines is read up to this many bytes (after gunzip: a gzip bomb ends there) and this many lines that
+#: are not blank (each costs a parse: a file of millions of one-byte bad lines ends there, in seconds). A million
+#: records of a few KiB each fill both.
 MAX_LINES_BYTES = 4 * 2**30
+MAX_LINES = 1_000_000
+#: Bytes taken from the stream at a time: a run of blank lines is skipped at once, never line by line.
+_CHUNK = 2**20
+_BLANK = re.compile(rb"[ \t\r\n\x0b\x0c]*")
 
 
 def shown(value: Any, limit: int = 80) -> str:
@@ -118,11 +125,15 @@ def _unique_keys(pairs: list) -> dict:
     return dict(pairs)
 
 
+#: One decoder for every call: json.loads would build one per line, most of the cost of a short bad line.
+_STRICT = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+
+
 def loads(text: str) -> tuple[Any, str | None]:
     """(the JSON value of ``text``, None), or (None, why it is not strict JSON): ``NaN``, ``Infinity`` and a key
     repeated in one object are refused, as every strict parser refuses them (Python's alone takes them)."""
     try:
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys), None
+        return _STRICT.decode(text), None
     except json.JSONDecodeError as error:
         return None, f"not JSON ({error.msg} at column {error.colno})"
     except _NotStrict as error:
@@ -140,40 +151,80 @@ class Line:
     problem: str | None = None
 
 
-def _raw_lines(stream) -> Iterator[tuple[int, bytes | None]]:
-    """Numbered lines; None for one longer than MAX_LINE (read past, not kept). OverflowError past
-    MAX_LINES_BYTES."""
-    number = total = 0
+class _Stopped(Exception):
+    """Reading ends before the file does; the message says where and why."""
+
+
+def _lines_before(number: int) -> str:
+    return "" if number <= 1 else f"; lines 1 to {number - 1} are read"
+
+
+def _lines(stream, gzipped: bool) -> Iterator[tuple[int, bytes | None]]:
+    """The lines of a binary stream that are not blank, as (number, bytes); None for one longer than MAX_LINE (read
+    past, never kept). _Stopped past MAX_LINES_BYTES or MAX_LINES, or where a gzip stream breaks off."""
+    pending = bytearray()  # the start of the line the next chunk goes on with
+    too_long = False  # that line is over MAX_LINE: read to its end, not kept
+    ended = kept = read = 0  # lines ended (blank ones too), lines kept, bytes read
     while True:
-        chunk = stream.readline(MAX_LINE)
-        total += len(chunk)
-        if total > MAX_LINES_BYTES:
-            raise OverflowError(number)
+        try:  # read1: what a gzip stream gives before it breaks off comes back, not lost with the error
+            chunk = stream.read1(min(_CHUNK, MAX_LINES_BYTES - read + 1))
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise _Stopped(f"the gzip stream is broken in line {ended + 1} ({error})"
+                           f"{_lines_before(ended + 1)}") from None
         if not chunk:
-            return
-        number += 1
-        if len(chunk) == MAX_LINE and not chunk.endswith(b"\n"):
-            while chunk and not chunk.endswith(b"\n"):
-                chunk = stream.readline(MAX_LINE)
-                total += len(chunk)
-                if total > MAX_LINES_BYTES:
-                    raise OverflowError(number)
-            yield number, None
-        else:
-            yield number, chunk
+            break
+        read += len(chunk)
+        over = read > MAX_LINES_BYTES
+        chunk = chunk[:-1] if over else chunk
+        start = 0
+        while start < len(chunk):
+            if not pending and not too_long:
+                blank = _BLANK.match(chunk, start).end()
+                last_newline = chunk.rfind(b"\n", start, blank)
+                if last_newline >= 0:
+                    ended += chunk.count(b"\n", start, last_newline + 1)
+                    start = last_newline + 1
+            newline = chunk.find(b"\n", start)
+            if newline < 0:
+                if not too_long:
+                    pending += chunk[start:]
+                    if len(pending) > MAX_LINE:
+                        too_long = True
+                        pending.clear()
+                        yield ended + 1, None
+                break
+            line = chunk[start:newline + 1] if not pending else bytes(pending + chunk[start:newline + 1])
+            pending.clear()
+            ended += 1
+            start = newline + 1
+            if too_long:
+                too_long = False
+            elif len(line) > MAX_LINE:
+                yield ended, None
+            elif line.strip():
+                kept += 1
+                if kept > MAX_LINES:
+                    raise _Stopped(f"holds more than {MAX_LINES:,} lines that are not blank; reading stopped "
+                                   f"at line {ended}{_lines_before(ended)}")
+                yield ended, line
+        if over:
+            raise _Stopped(f"holds more than {MAX_LINES_BYTES // 2**30} GiB"
+                           f"{' after gunzip' if gzipped else ''}; reading stopped there, in line "
+                           f"{ended + 1}{_lines_before(ended + 1)}")
+    if pending.strip():  # the last line, with no newline after it
+        ended += 1
+        yield ended, bytes(pending)
 
 
 def json_lines(path: Path) -> Iterator[Line]:
     """The lines of a JSON-lines file (gzip too), blank ones left out. A file that cannot be read
     (not a regular file among them: a FIFO is never waited on), a gzip stream that breaks off, or
-    more than MAX_LINES_BYTES, ends with a Line numbered 0 saying so; never raises."""
-    number = 0
+    more than MAX_LINES_BYTES or MAX_LINES, ends with a Line numbered 0 saying so; never raises."""
     try:
         with files.open_read(path) as raw:
             gzipped = raw.read(2) == b"\x1f\x8b"
             raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw) if gzipped else raw
-            for number, chunk in _raw_lines(stream):
+            for number, chunk in _lines(gzip.GzipFile(fileobj=raw) if gzipped else raw, gzipped):
                 if chunk is None:
                     yield Line(number, problem=f"longer than {MAX_LINE // 2**20} MiB")
                     continue
@@ -185,16 +236,13 @@ def json_lines(path: Path) -> Iterator[Line]:
                 if text.strip():
                     value, problem = loads(text)
                     yield Line(number, value, problem)
-    except OverflowError:
-        yield Line(0, problem=f"holds more than {MAX_LINES_BYTES // 2**30} GiB (after gunzip); the lines before "
-                              f"line {number + 1} are read")
+    except _Stopped as stop:
+        yield Line(0, problem=str(stop))
     except files.Refused as refusal:
         yield Line(0, problem=str(refusal).removeprefix(f"{path} "))
     except IsADirectoryError:
         yield Line(0, problem="is a directory, not an incident file")
     except FileNotFoundError:
         yield Line(0, problem="no such file")
-    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
-        yield Line(0, problem=f"the gzip stream is broken after line {number} ({error}); the lines before it are read")
     except OSError as error:
         yield Line(0, problem=f"cannot read it ({error.strerror or error})")

@@ -174,9 +174,9 @@ def test_the_cli_hides_torchs_numpy_warning_and_nothing_else(tmp_path):
     assert cli.main(["gpus"]) == 0
     assert warnings.filters == filters
     record = tmp_path / "i.jsonl"
-    record.write_text(json.dumps({"kernel": "m:k", "action": "x", "args": {"a": {"shape": [1], "stride": [1],
-                                                                                 "dtype": "torch.float16",
-                                                                                 "ptr_mod_16": 1}}}) + "\n")
+    record.write_text(json.dumps({"schema": 1, "kernel": "m:k", "action": "x",
+                                  "args": {"a": {"shape": [1], "stride": [1], "dtype": "torch.float16",
+                                                 "ptr_mod_16": 1}}}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
     result = subprocess.run([sys.executable, "-m", "smemguard.cli", "replay", str(record)], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=300)
