@@ -11,6 +11,7 @@ recovered as if nothing were stored.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -78,12 +79,26 @@ SHARED = "shared memory"
 compiling_as_asked = runtime.ThreadFlag()
 
 
-def _refused(key: str, entry: dict):
-    """Triton's own error for a variant that needs ``entry["required"]`` bytes, marked as refused for ``entry``."""
+@functools.cache
+def _refusal_type() -> type:
+    """Triton's ``OutOfResources`` (what callers catch) for a variant refused before compiling, naming the stored
+    entry that refused it. Made at first use: smemguard imports Triton only once it handles something."""
     from triton.runtime.errors import OutOfResources
 
-    error = OutOfResources(entry["required"], entry["limit"], SHARED)
-    error.smemguard_stored = (key, entry)  # read by the launch guard (stored()); pickling keeps Triton's fields only
+    class RefusedBeforeCompiling(OutOfResources):
+        def __init__(self, key: str, entry: dict):
+            super().__init__(entry["required"], entry["limit"], SHARED)
+            self.stored = (key, entry)
+
+        def __reduce__(self):  # pickled (a tuner sent to a worker), it is Triton's own error: nothing of ours to find
+            return OutOfResources, (self.required, self.limit, self.name)
+
+    return RefusedBeforeCompiling
+
+
+def _refused(key: str, entry: dict):
+    """Triton's own error for a variant that needs ``entry["required"]`` bytes, refused for ``entry``."""
+    error = _refusal_type()(key, entry)
     incidents.add_note(error, f"smemguard: refused before compiling: the decision cache ({decisions.FILE_NAME}, "
                        f"entry {key}, decided on {entry.get('gpu', '?')}) says this variant needs {entry['required']} "
                        f"B here; compiling it would raise this error at its launch")
@@ -92,7 +107,7 @@ def _refused(key: str, entry: dict):
 
 def stored(error) -> tuple[str, dict] | None:
     """(key, entry) when ``error`` was raised by :func:`remembered_compile` for a config switch, else None."""
-    return getattr(error, "smemguard_stored", None)
+    return error.stored if isinstance(error, _refusal_type()) else None
 
 
 def switch(launch, key: str, entry: dict) -> Decision | None:

@@ -194,7 +194,8 @@ def test_kernels_taking_num_stages_and_num_warps_positionally(install_guard, inc
     (record,) = records(incident_log)
     assert record["action"] == action and record["internal_errors"] == 0
     if final_stages is None:
-        assert all("is also a parameter the kernel uses" in attempt["error"] for attempt in record["attempts"][1:])
+        candidates = record["attempts"][1:]
+        assert candidates and all("is also a parameter the kernel uses" in attempt["error"] for attempt in candidates)
 
 
 def test_a_candidate_smemguard_cannot_build_is_counted_and_the_next_one_still_recovers(
