@@ -8,6 +8,8 @@ layers is, and on how a config and an error are written down.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from typing import Any, Iterator
 
 #: Deeper than any real stack of layers; stops a walk over an object whose ``fn`` leads back to itself.
@@ -47,6 +49,21 @@ def kernel_name(kernel) -> str:
     layers = list(chain(kernel))
     fn = next((layer for layer in layers if hasattr(layer, "__code__")), layers[-1])
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def launching_site() -> str | None:
+    """``file:line (function)`` of the innermost frame on this thread's stack outside Triton, wrapt and smemguard:
+    for a plain kernel, the wrapper that launched it (and chose its tiles); None when there is none (smemguard's own
+    stand-in launches)."""
+    ours = tuple(os.path.dirname(getattr(sys.modules.get(name), "__file__", None) or "/nonexistent") + os.sep
+                 for name in ("triton", "wrapt", "smemguard"))
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(ours) and not filename.startswith("<"):
+            return f"{filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return None
 
 
 def source_hash(jit) -> str:

@@ -380,7 +380,8 @@ def decide(launch: Launch, failing, error) -> Decision:
     if fallback is not None:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
                         final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped, compile_ms=compile_ms)
-    reason = "; ".join(filter(None, (measured.stages_inert, measured.pinned, _why_nothing_fits(launch, budget))))
+    reason = "; ".join(filter(None, (measured.stages_inert, measured.pinned,
+                                     _why_nothing_fits(launch, budget, attempts))))
     return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped, compile_ms=compile_ms)
 
 
@@ -478,7 +479,7 @@ def adopt(launch: Launch, config) -> None:
         launch.tuner_kind.adopt(launch.tuner, launch.tuning_key, config)
 
 
-def _why_nothing_fits(launch: Launch, budget: int) -> str:
+def _why_nothing_fits(launch: Launch, budget: int, attempts: list) -> str:
     advice = "register a fallback with smemguard.register_fallback"
     if budget == 0:
         return f"stopped after {MAX_CANDIDATES} candidate compiles; {advice}"
@@ -489,5 +490,26 @@ def _why_nothing_fits(launch: Launch, budget: int) -> str:
                 f"was computed for are kept; pass the grid as a function of the meta-parameters, or {advice}")
     if registry.alternatives_for(launch.jit):
         return f"none of the registered alternatives fits; {advice}"
-    return ("tile sizes of a plain @triton.jit kernel are never changed (its grid may be computed from them); "
-            f"register alternatives with smemguard.register_alternatives, or {advice}")
+    return _tiles_chosen_by_the_caller(launch, attempts)
+
+
+def _tiles_chosen_by_the_caller(launch: Launch, attempts: list) -> str:
+    """Why a plain kernel's launch is re-raised, naming who chose its tiles, what the best candidate still needs
+    and the exact calls that would let it run here (issue 32: the class smemguard leaves to the caller)."""
+    module, _, qualname = introspect.kernel_name(launch.jit).partition(":")
+    named = launch.named_args()
+    constexprs = launch.constexpr_names()
+    tiles = ", ".join(f"{param.name}={named[param.name]}" for param in launch.jit.params if param.name in constexprs
+                      and isinstance(named.get(param.name), int) and not isinstance(named.get(param.name), bool))
+    needed = [attempt.required for attempt in attempts if attempt.required]
+    least = f"; the least any candidate needs is {min(needed)} B over {attempts[0].limit} B" if needed else ""
+    site = introspect.launching_site()
+    by = f" by {site}" if site else ""
+    parameters = ", ".join(param.name for param in launch.jit.params)
+    grid = ("its grid is a function of the meta-parameters, so smemguard.register_alternatives"
+            f"({module}.{qualname}, [triton.Config({{...smaller tiles...}})]) would be tried"
+            if callable(launch.grid) else "the grid is a tuple the caller computed from them, so only the caller "
+            "can choose smaller ones")
+    return (f"tile sizes of a plain @triton.jit kernel are never changed: {tiles or 'its constexprs'} were chosen"
+            f"{by}{least}; {grid}; or smemguard.register_fallback({module}.{qualname}, fn) with "
+            f"fn({parameters}) computing the same result in torch")

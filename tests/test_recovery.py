@@ -165,6 +165,14 @@ def test_plain_kernel_with_a_tuple_grid_is_never_shrunk(install_guard, incident_
     assert "num_stages=1: 32768 B (too big)" in note
     assert "a_ptr: torch.float16[256, 256] stride [256, 1]" in note
     assert "tile sizes of a plain @triton.jit kernel are never changed" in note
+    # Who chose the tiles (this test, launching with a tuple grid), what the best candidate still needs, the calls.
+    line = test_plain_kernel_with_a_tuple_grid_is_never_shrunk.__code__.co_firstlineno + 6
+    assert (f"BLOCK_M=128, BLOCK_N=128, BLOCK_K=64 were chosen by {__file__}:{line} "
+            "(test_plain_kernel_with_a_tuple_grid_is_never_shrunk); the least any candidate needs is 32768 B over "
+            "30000 B; the grid is a tuple the caller computed from them, so only the caller can choose smaller ones; "
+            "or smemguard.register_fallback(smemguard.examples.matmul_kernel, fn) with fn(a_ptr, b_ptr, c_ptr, M, N, "
+            "K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K) "
+            "computing the same result in torch") in note
     assert f"incident record: {incident_log}#" in note
     assert {block_m for _, block_m in compiles} == {128}, "no other tile size was compiled"
     assert records(incident_log)[0]["action"] == "reraised"
