@@ -403,11 +403,14 @@ def _report_settings(settings, stated_by_the_command: tuple[str, ...] = ()) -> b
     refusal; False when strict mode stops here."""
     from .guard import settings_problems
 
-    problems = [problem for problem in settings_problems(settings)
-                if not problem.startswith(tuple(f"{var}=" for var in stated_by_the_command))]
+    problems = settings_problems(settings)
+    strict_stops = bool(problems) and settings.mode == "strict"
+    if not strict_stops:  # the command runs, and states its own variables' problems itself
+        problems = [problem for problem in problems
+                    if not problem.startswith(tuple(f"{var}=" for var in stated_by_the_command))]
     for problem in problems:
         print(f"smemguard: {untrusted.printable(problem)}", file=sys.stderr)
-    if problems and settings.mode == "strict":
+    if strict_stops:
         print("smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above", file=sys.stderr)
         return False
     return True
