@@ -16,7 +16,8 @@ from .registry import (  # noqa: E402
 )
 
 __all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback",
-           "register_alternatives", "unregister_alternatives", "fits", "fits_for", "__version__"]
+           "register_alternatives", "unregister_alternatives", "tile_choice", "rerun_on_overflow", "fits", "fits_for",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -26,4 +27,8 @@ def __getattr__(name):
         from . import pruning
 
         return getattr(pruning, name)
+    if name in ("tile_choice", "rerun_on_overflow"):  # for a library's wrappers; imports Triton when used
+        from . import wrapper_tiles
+
+        return getattr(wrapper_tiles, name)
     raise AttributeError(f"module 'smemguard' has no attribute {name!r}")

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from . import files, incidents, introspect, runtime, untrusted
-from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
 from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 SCHEMA = 1
 FILE_NAME = "decisions.json"
 LOCK_NAME = "decisions.lock"
-KINDS = ("compile", "launch", "inductor")
+KINDS = ("compile", "launch", "inductor", "tiles")
 #: Tables added after schema 1 was first written: absent from older files, read as empty.
-_ADDED_KINDS = ("inductor",)
+_ADDED_KINDS = ("inductor", "tiles")
 #: A decision file is a few KiB per kernel; one larger than this is not one smemguard wrote.
 MAX_FILE = 8 * 2**20
 #: Bounds of the options an entry may hold: no GPU pipelines more stages, none runs more than
@@ -109,7 +109,8 @@ def validate(data: Any) -> dict:
 #: compiled variant; another config, the fallback, or "nothing fits" for a launch.
 ACTIONS = {"compile": (STAGES_REDUCED, WARPS_REDUCED),
            "launch": (CONFIG_CHANGED, FALLBACK, RERAISED),
-           "inductor": (STAGES_REDUCED, WARPS_REDUCED, BLOCKS_REDUCED)}
+           "inductor": (STAGES_REDUCED, WARPS_REDUCED, BLOCKS_REDUCED),
+           "tiles": (TILES_REDUCED,)}
 
 
 def power_of_two(value: Any, most: int) -> bool:
@@ -143,6 +144,11 @@ _OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
 _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
+#: What a wrapper's tile entry holds (:mod:`smemguard.wrapper_tiles`): the tile that fit, and what did not fit.
+_TILES_NEEDS = {"value": Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16),
+                "resource": TEXT, "required": _REQUIRED}
+
+
 def entry_problems(kind: str, entry: Any) -> list[str]:
     """Why recovery could not apply ``entry`` of table ``kind`` (empty when it can)."""
     if not isinstance(entry, dict):
@@ -150,7 +156,7 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     found = untrusted.problems(entry, {"action": one_of(*ACTIONS[kind])})
     if found:
         return found
-    needs = _INDUCTOR_NEEDS if kind == "inductor" else _NEEDS[entry["action"]]
+    needs = {"inductor": _INDUCTOR_NEEDS, "tiles": _TILES_NEEDS}.get(kind) or _NEEDS[entry["action"]]
     found = untrusted.problems(entry, needs, _OVERFLOW)
     if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")

@@ -336,6 +336,8 @@ def uninstall() -> None:
         from .patches import modules
 
         recovery.forget()
+        if "smemguard.wrapper_tiles" in sys.modules:  # a library declared its tile choices: forget what they learnt
+            sys.modules["smemguard.wrapper_tiles"].forget()
         runtime.forget_patches()
         for module in reversed(modules()):
             try:

@@ -1,0 +1,152 @@
+"""A library's wrapper that chooses its kernel's tiles and computes the grid from them, declared with
+``smemguard.tile_choice`` and ``smemguard.rerun_on_overflow`` (smemguard/wrapper_tiles.py): on the CPU harness, the
+launch that cannot fit at any stage count is run again with a halved tile, remembered in the process and across
+processes, and every rule of the contract holds. A wrapper of our own: neither SGLang's nor vLLM's."""
+
+import json
+
+import pytest
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+import smemguard
+from smemguard import cli
+from smemguard.testing import fake_gpu
+
+from conftest import records
+from kernels import matmul_args, matmul_kernel
+
+N = 256
+#: 128x128x64 fp16 tiles need 32768 B at one stage on sm_89, 64x128x64 need 24576 B: this limit takes the second.
+LIMIT = 30000
+
+
+@smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M", smallest=32)
+def block_m_for(rows: int, dtype: str) -> int:
+    """The library's own choice, tuned on a big GPU."""
+    return 128
+
+
+@smemguard.rerun_on_overflow(block_m_for)
+def matmul(a, b, c):
+    """The library's wrapper: its tile chosen, the grid computed from it, one launch (already at one stage)."""
+    block_m = block_m_for(a.shape[0], str(a.dtype))
+    grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(b.shape[1], 128))
+    matmul_kernel[grid](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_stages=1)
+    return block_m
+
+
+def operands():
+    return [torch.empty(N, N, dtype=torch.float16) for _ in range(3)]
+
+
+def test_the_wrapper_runs_again_with_a_halved_tile_and_its_grid(install_guard, incident_log, tmp_path,
+                                                               triton_cache, capsys):
+    install_guard(cache_dir=tmp_path / "decisions")
+    with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        assert matmul(*operands()) == 64
+        assert [(launch.grid, launch.shared) for launch in gpu.launches] == [((4, 2, 1), 24576)], \
+            "one launch, at the halved tile, with the grid the wrapper computed from it"
+        assert matmul(*operands()) == 64 and len(gpu.launches) == 2, "the next call chooses it at once"
+        assert block_m_for(N, "torch.float16") == 128, "another caller keeps the library's own answer"
+    reraised, chosen = records(incident_log)
+    assert reraised["action"] == "reraised", "the launch guard's own record: no stage count fits"
+    assert (chosen["action"], chosen["final"], chosen["launched_as"]) == (
+        "tiles_reduced", "BLOCK_M=64", "test_wrapper_tiles:matmul")
+    assert chosen["shape_class"] == {"rows": N, "dtype": "torch.float16"} and chosen["config"] == "BLOCK_M=128"
+    assert (chosen["required"], chosen["limit_hit"], chosen["internal_errors"]) == (32768, LIMIT, 0)
+    [entry] = json.loads((tmp_path / "decisions" / "decisions.json").read_text())["tiles"].values()
+    assert (entry["value"], entry["wrapper"], entry["tile"]) == (64, "test_wrapper_tiles:matmul", "BLOCK_M")
+    # The cache commands know the table: a fleet ships the tile like any decision.
+    assert cli.main(["cache", "export", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "decisions")]) == 0
+    assert cli.main(["cache", "import", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "host")]) == 0
+    assert cli.main(["cache", "show", "--dir", str(tmp_path / "host")]) == 0
+    assert "smemguard.examples:matmul_kernel on cuda:89 (limit 30000 B): BLOCK_M=128 -> tiles_reduced BLOCK_M=64" in \
+        capsys.readouterr().out
+
+
+def test_the_next_process_chooses_the_stored_tile_at_once(incident_log, tmp_path, triton_cache):
+    """A new install (a new process's view: the tiles learnt in memory are forgotten at uninstall) reads the tile
+    from the decision cache: no overflow, no record."""
+    from smemguard.settings import Settings
+
+    settings = Settings(log_path=incident_log, cache_dir=tmp_path / "decisions", disabled=("triton_compile",))
+    for _ in range(2):
+        assert smemguard.install(settings)
+        try:
+            with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+                assert matmul(*operands()) == 64
+        finally:
+            smemguard.uninstall()
+        assert gpu.launches[-1].grid == (4, 2, 1)
+    assert [record["action"] for record in records(incident_log)] == ["reraised", "tiles_reduced"], \
+        "the second process raised nothing"
+
+
+def test_nothing_below_the_smallest_tile_and_the_callers_error_is_kept(install_guard, incident_log, triton_cache):
+    install_guard()
+    with fake_gpu("L4", max_shared=12000, cache_dir=triton_cache) as gpu:  # even BLOCK_M=32 needs 20480 B
+        with pytest.raises(OutOfResources) as caught:
+            matmul(*operands())
+        assert gpu.launches == []
+        assert (caught.value.required, caught.value.limit) == (32768, 12000), "the first error, the caller's own"
+        with pytest.raises(OutOfResources):
+            matmul(*operands())  # the library's own tile again: nothing smaller was kept
+    assert [record["action"] for record in records(incident_log) if record["action"] != "reraised"] == []
+
+
+def test_observe_mode_and_no_install_never_run_the_wrapper_again(install_guard, triton_cache):
+    calls = []
+
+    @smemguard.rerun_on_overflow(block_m_for)
+    def counted(a, b, c):
+        calls.append(1)
+        return matmul.__wrapped__(a, b, c)
+
+    for install in (lambda: install_guard(mode="observe"), lambda: None):
+        install()
+        with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache):
+            with pytest.raises(OutOfResources):
+                counted(*operands())
+        smemguard.uninstall()
+    assert len(calls) == 2, "one call each: observe mode changes nothing, and without install() nothing is ours"
+
+
+def test_an_overflow_of_another_kernel_reaches_the_caller_as_raised(install_guard, triton_cache):
+    @smemguard.rerun_on_overflow(block_m_for)
+    def other_launch(a, b, c):
+        block_m_for(a.shape[0], str(a.dtype))  # chosen, but the kernel that fails is another one
+        other = triton.jit(matmul_kernel.fn)
+        other[(2, 2)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=1)
+
+    install_guard()
+    with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        with pytest.raises(OutOfResources):
+            other_launch(*operands())
+        assert gpu.launches == []
+
+
+def test_the_declarations_refuse_what_cannot_be_a_tile_choice():
+    with pytest.raises(TypeError, match="has no parameter 'BLOCK_Q'"):
+        smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_Q")
+    with pytest.raises(TypeError, match="must be a Triton kernel"):
+        smemguard.tile_choice(kernel=print, tile="BLOCK_M")
+    with pytest.raises(TypeError, match="smallest must be a positive integer"):
+        smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M", smallest=0)
+    with pytest.raises(TypeError, match="takes the smemguard.tile_choice functions"):
+        smemguard.rerun_on_overflow(len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the results are compared bitwise there")
+def test_on_a_gpu_the_halved_tile_gives_the_same_bits(install_guard, monkeypatch):
+    """Each output element sums the same K tiles in the same order at BLOCK_M 128 and 64: bitwise the same."""
+    a, b = (torch.randn(N, N, device="cuda", dtype=torch.float16) for _ in range(2))
+    expected = torch.empty(N, N, device="cuda", dtype=torch.float16)
+    matmul(a, b, expected)  # smemguard not installed: the library's own tile on the full GPU
+    monkeypatch.setenv("SMEMGUARD_MAX_SHARED", str(LIMIT))
+    install_guard(max_shared=LIMIT)
+    got = torch.empty_like(expected)
+    assert matmul(a, b, got) == 64
+    assert torch.equal(got, expected)
