@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import smemguard
 from smemguard import cli, decisions, gpus, replay
-from smemguard.decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from smemguard.decision import (BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED,
+                                WARPS_REDUCED)
 from smemguard import settings as smemguard_settings
 from smemguard.testing import fake_gpu
 from smemguard.untrusted import printable
@@ -359,7 +360,7 @@ def test_a_number_too_long_for_python_is_a_bad_line_not_a_crash(fresh, capsys):
 
 
 def test_the_decision_actions_are_recoverys_own():
-    stored = {STAGES_REDUCED, WARPS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, BLOCKS_REDUCED}
+    stored = {STAGES_REDUCED, WARPS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, BLOCKS_REDUCED, TILES_REDUCED}
     assert {action for actions in decisions.ACTIONS.values() for action in actions} == stored
 
 
