@@ -212,3 +212,29 @@ def test_an_import_that_would_outgrow_what_readers_accept_writes_nothing(tmp_pat
     assert len(err) == 1 and "over the 8 MiB a decision file may hold; nothing imported" in err[0]
     assert (cache / decisions.FILE_NAME).read_bytes() == before, "nothing written"
     assert cli.main(["cache", "show", "--dir", str(cache)]) == 0, "every reader still accepts the file"
+
+
+def test_parallel_imports_and_a_serving_processs_write_lose_no_entry(tmp_path):
+    """Four `cache import`s of 500 entries each and a serving process storing its own decision, all at once, into
+    one cache: 2001 entries after, whatever the interleaving (issue 33 measured this three times; kept as a test)."""
+    entry = {"action": "stages_reduced", "final": "num_stages=4", "options": {"num_stages": 4},
+             "resource": "shared memory", "required": 131072}
+    sources = []
+    for index in range(4):
+        source = tmp_path / f"fleet-{index}.json"
+        source.write_text(json.dumps({"schema": 1, "compile": {f"{index}-{n}": entry for n in range(500)},
+                                      "launch": {}}))
+        sources.append(source)
+    cache = tmp_path / "cache"
+    serving = textwrap.dedent(f"""
+        from pathlib import Path
+        from smemguard import decisions
+        decisions.Store(Path({str(cache)!r})).put("compile", "served", {entry!r})
+    """)
+    processes = [subprocess.Popen([sys.executable, "-m", "smemguard.cli", "cache", "import", str(source), "--dir",
+                                   str(cache)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for source in sources] + [subprocess.Popen([sys.executable, "-c", serving], stderr=subprocess.PIPE)]
+    for process in processes:
+        assert process.wait(timeout=120) == 0, process.stderr.read()
+    stored = json.loads((cache / decisions.FILE_NAME).read_text())["compile"]
+    assert len(stored) == 2001 and "served" in stored
