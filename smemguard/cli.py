@@ -205,6 +205,10 @@ def _cache(args) -> int:
         return 2
     store = decisions.Store(directory)
     shown_path = untrusted.printable(str(store.path))
+    if args.action in ("clear", "import") and store.read_only:
+        print(f"{command}: {untrusted.printable(str(directory))} is read-only: the decisions in it apply, but this "
+              "command writes; nothing was changed", file=sys.stderr)
+        return 2
     try:
         data, dropped = decisions.read(store.path)
     except ValueError as problem:
@@ -227,6 +231,8 @@ def _cache(args) -> int:
                 status = 2
             if args.action == "show":
                 _show(data, store.path, args.json)
+                if store.read_only and not args.json:
+                    print("(read-only: these apply; a new decision stays in the process that made it)")
             else:
                 _export(Path(args.file), json.dumps(data, indent=1, sort_keys=True) + "\n")
                 count = sum(len(data[kind]) for kind in decisions.KINDS)

@@ -33,6 +33,11 @@ one warning and rebuilt; so is a file holding entries recovery could not apply (
 another version), rebuilt with the usable ones. The directory and the file are a trust boundary:
 either one writable by another user (or owned by one) is refused, as ssh refuses a writable
 ``authorized_keys``. Failing I/O never stops a launch: one warning, then memory only.
+
+A directory this process cannot write (a read-only image layer, Kubernetes' ``readOnlyRootFilesystem``, a
+server user other than the one that imported the decisions) is read without the lock, which only writers
+need since they replace the file atomically: its decisions apply, a new one stays in the process (one
+warning), and nothing there is moved aside or rewritten.
 """
 
 from __future__ import annotations
@@ -217,8 +222,14 @@ class Store:
         files.make_directory(self.directory)
         return files.exclusive(self.directory / LOCK_NAME)
 
-    def _refresh(self) -> None:
-        """Read the file again if it changed since we last did (caller holds ``_lock`` and the file lock)."""
+    @property
+    def read_only(self) -> bool:
+        """An existing directory this process cannot write: its decisions apply, new ones stay in the process."""
+        return self.directory.is_dir() and not os.access(self.directory, os.W_OK | os.X_OK)
+
+    def _refresh(self, repair: bool = True) -> None:
+        """Read the file again if it changed since we last did (caller holds ``_lock``, and the file lock when
+        ``repair``: a file that cannot be used whole is then moved aside; without, it is left as it is)."""
         try:
             stat = self.path.stat()
         except FileNotFoundError:
@@ -229,19 +240,23 @@ class Store:
             return
         try:
             self._data, dropped = read(self.path)
-        except ValueError as problem:
-            self._data, self._stamp = empty(), None
-            log.warning("smemguard: %s was unreadable (%s); moved it to %s and starting a new one.",
-                        self.path, problem, files.move_aside(self.path))
-            return
         except files.Untrusted:  # never moved, never rewritten: it is not ours
             raise
-        except files.Refused as refusal:  # too large, or no longer a regular file
-            self._data, self._stamp = empty(), None
-            log.warning("smemguard: %s; moved it to %s and starting a new one.", refusal, files.move_aside(self.path))
+        except (ValueError, files.Refused) as problem:  # corrupt, too large, or no longer a regular file
+            self._data, self._stamp = empty(), None if repair else stamp
+            if repair:
+                log.warning("smemguard: %s was unusable (%s); moved it to %s and starting a new one.",
+                            self.path, problem, files.move_aside(self.path))
+            else:
+                log.warning("smemguard: %s was unusable (%s); its directory is read-only: left as it is, none of "
+                            "its decisions apply.", self.path, problem)
             return
         self._stamp = stamp
-        if dropped:
+        if dropped and not repair:
+            log.warning("smemguard: %s held %d entries smemguard cannot apply (%s%s); its directory is read-only: "
+                        "left as it is, the %d usable ones apply.", self.path, len(dropped), dropped[0],
+                        "; ..." if len(dropped) > 1 else "", sum(len(self._data[kind]) for kind in KINDS))
+        elif dropped:
             aside = files.move_aside(self.path)
             self._write()
             log.warning("smemguard: %s held %d entries smemguard cannot apply (%s%s); moved the file to %s and "
@@ -283,8 +298,11 @@ class Store:
             try:
                 if self._changed():
                     self._checked()
-                    with self._exclusive():
-                        self._refresh()
+                    if self.read_only:
+                        self._refresh(repair=False)
+                    else:
+                        with self._exclusive():
+                            self._refresh()
             except OSError as error:
                 self._io_failed(error)
         return self._data
@@ -301,6 +319,12 @@ class Store:
     def put(self, kind: str, key: str, entry: dict) -> dict:
         """Store ``entry`` unless another process stored this case first; return the one that stands."""
         with self._lock:
+            if not self._broken and self.read_only:
+                standing = self._fresh()[kind].setdefault(key, entry)
+                runtime.warn_once(log, ("decisions read-only", str(self.directory)), "smemguard: the decision "
+                                  "cache in %s is read-only: its decisions apply, new ones stay in this process.",
+                                  self.directory)
+                return standing
             if not self._broken:
                 try:
                     self._checked()

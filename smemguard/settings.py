@@ -163,6 +163,8 @@ def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]
     try:
         if path.is_file() if directory else path.is_dir():
             return path, "is a file" if directory else "is a directory"
+        if directory and path.is_dir():  # read-only too: its decisions apply, new ones stay in the process
+            return path, None
         if not directory and path.exists() and not path.is_file():  # a FIFO would block the first incident
             return path, "not a regular file"
         return path, _unwritable_reason(path)

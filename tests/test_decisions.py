@@ -2,6 +2,8 @@
 
 import json
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -131,16 +133,63 @@ WORKER = """
 """
 
 
-def run_worker(cache_dir, triton_cache, log, kind):
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(cache_dir), triton_cache, str(log),
-                             kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def run_worker(cache_dir, triton_cache, log, kind, prefix=()):
+    return subprocess.Popen([*prefix, sys.executable, "-c", textwrap.dedent(WORKER), str(cache_dir), triton_cache,
+                             str(log), kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={"PYTHONPATH": f"{TESTS}:{ROOT}", "PATH": "/usr/bin:/bin"})
 
 
-def finish(process):
+def finish(process, stderr=None):
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
+    if stderr is not None:
+        stderr.append(err)
     return json.loads(out.strip().splitlines()[-1])
+
+
+#: Root without the capabilities that let it write whatever the modes say: a read-only directory is one for it too.
+AS_ANY_USER = ("setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search")
+
+
+@pytest.mark.skipif(os.getuid() == 0 and shutil.which("setpriv") is None,
+                    reason="as root, a read-only directory needs util-linux's setpriv to drop CAP_DAC_OVERRIDE")
+def test_decisions_in_a_read_only_directory_apply_and_nothing_there_changes(tmp_path, triton_cache):
+    """A cache baked into an image (a read-only layer, readOnlyRootFilesystem, a server user other than the
+    importer) once never applied: the setting was refused as "not writable" and the store's read took the
+    writers' lock. Now its decisions apply, a new one stays in the process, and nothing in it changes."""
+    cache = tmp_path / "cache"
+    finish(run_worker(cache, triton_cache, tmp_path / "writer.jsonl", "stages"))
+    (cache / decisions.LOCK_NAME).unlink()
+    (cache / decisions.FILE_NAME).chmod(0o444)
+    cache.chmod(0o555)
+    baked = (cache / decisions.FILE_NAME).read_bytes()
+    prefix = AS_ANY_USER if os.getuid() == 0 else ()
+    try:
+        stderr: list[str] = []
+        reader = run_worker(cache, triton_cache, tmp_path / "stages.jsonl", "stages", prefix)
+        newcomer = run_worker(cache, triton_cache, tmp_path / "configs.jsonl", "configs", prefix)
+        read, _ = finish(reader, stderr), finish(newcomer, stderr)
+        commands = {action: subprocess.run([*prefix, sys.executable, "-m", "smemguard.cli", "cache", action],
+                                           capture_output=True, text=True, env={"PYTHONPATH": str(ROOT),
+                                                                                "SMEMGUARD_CACHE_DIR": str(cache)})
+                    for action in ("show", "clear")}
+    finally:
+        cache.chmod(0o755)
+    if jit_compile.SUPPORTED.admits(triton.__version__):
+        assert read == {"stages": 3, "shared": 32768, "compiled": [3], "handled": 0}, "the baked decision applied"
+    else:  # Triton 3.4 compiles inline: the remembered decision applies at the first failing launch
+        assert read["stages"] == 3 and records(tmp_path / "stages.jsonl")[0]["remembered"] is True
+    assert "decision cache" not in stderr[0] and "SMEMGUARD_CACHE_DIR" not in stderr[0], stderr[0]
+    assert stderr[1].count(f"decision cache in {cache} is read-only: its decisions apply, new ones stay in "
+                           "this process") == 1, stderr[1]
+    show, clear = commands["show"], commands["clear"]
+    assert (show.returncode, show.stderr) == (0, ""), "the setting is accepted as it is"
+    assert show.stdout.startswith(f"1 decisions in {cache / decisions.FILE_NAME}:") and \
+        show.stdout.endswith("(read-only: these apply; a new decision stays in the process that made it)\n")
+    assert clear.returncode == 2 and clear.stderr == f"smemguard cache clear: {cache} is read-only: the decisions " \
+        "in it apply, but this command writes; nothing was changed\n"
+    assert sorted(path.name for path in cache.iterdir()) == [decisions.FILE_NAME], "no lock file, nothing aside"
+    assert (cache / decisions.FILE_NAME).read_bytes() == baked
 
 
 def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
