@@ -49,6 +49,7 @@ import sys
 import time
 
 from . import decisions, incidents, introspect, recall, runtime
+from .candidates import next_stage_count
 from .decision import STAGES_REDUCED
 from .internal import Steps, StepFailed
 
@@ -182,11 +183,10 @@ def _fewer_stages(compile_at, stages: int, required: int, limit: int):
         shared = compiled.metadata.shared
         if shared <= limit:
             return compiled
-        per_stage = (previous[1] - shared) // max(previous[0] - count, 1)
-        if per_stage <= 0:  # fewer stages saved nothing: no count will fit
+        following = next_stage_count(previous, count, shared, limit)
+        if following is None:  # fewer stages saved nothing: no count will fit
             return None
-        predicted = count - -(-(shared - limit) // per_stage)  # ceil: enough stages dropped to fit
-        previous, count = (count, shared), min(count - 1, max(predicted, 1))
+        previous, count = (count, shared), following
     return None
 
 

@@ -33,7 +33,6 @@ compiled. A stored variant is applied only if recovery could have produced it fr
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import logging
@@ -42,13 +41,11 @@ import time
 
 from . import decisions, incidents, introspect, knobs, runtime
 from .decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .candidates import MAX_CANDIDATES, fewer_warps, variant
 from .internal import Steps
 from .launch import Attempt
 
 log = logging.getLogger(__name__)
-
-#: Candidate compiles allowed for one kernel (as for a launch: compiles take seconds).
-MAX_CANDIDATES = 16
 
 # "out of resource: shared memory, Required: 131072, Hardware limit: 101376" (Triton) and
 # "out of resource: triton_tem_fused_0 Required: 131072 Hardware limit:101376" (the static launcher).
@@ -93,14 +90,6 @@ def _shared(result) -> int | None:
     return shared if isinstance(shared, int) else getattr(getattr(kernel, "metadata", None), "shared", None)
 
 
-def _variant(config, kwargs: dict | None = None, **options):
-    changed = copy.copy(config)
-    changed.kwargs = {**config.kwargs, **(kwargs or {})}
-    for option, value in options.items():
-        setattr(changed, option, value)
-    return changed
-
-
 #: The kwarg Inductor's templates and mix-order reductions take their loops' pipeline depth from
 #: (``tl.range(..., num_stages=NUM_STAGES)``); Inductor's own retry (torch 2.13) lowers it with ``num_stages``.
 DEPTH = "NUM_STAGES"
@@ -118,17 +107,15 @@ def depth_parameters(autotuner, config) -> list[str]:
 
 def _fewer_stages(config, stages: int, depth: list[str]):
     """``config`` pipelined at most ``stages`` deep: the option and each depth kwarg, capped."""
-    return _variant(config, {name: min(config.kwargs[name], stages) for name in depth},
+    return variant(config, {name: min(config.kwargs[name], stages) for name in depth},
                     num_stages=min(config.num_stages, stages))
 
 
 def _candidates(autotuner, config, overflow: Overflow):
     """(action, candidate) for one config Inductor compiled, most conservative first."""
     if overflow.resource == "threads":
-        warps = config.num_warps // 2
-        while warps >= 1:
-            yield WARPS_REDUCED, _variant(config, num_warps=warps)
-            warps //= 2
+        for warps in fewer_warps(config.num_warps):
+            yield WARPS_REDUCED, variant(config, num_warps=warps)
         return
     depth = depth_parameters(autotuner, config)
     futile = knobs.knobs_of(autotuner.fn).stages_futile()
@@ -140,7 +127,7 @@ def _candidates(autotuner, config, overflow: Overflow):
     while current and max(current.values()) > 1:
         largest = max(current, key=current.get)
         current[largest] //= 2
-        yield BLOCKS_REDUCED, _variant(config, dict(current))
+        yield BLOCKS_REDUCED, variant(config, dict(current))
 
 
 class _Trial:

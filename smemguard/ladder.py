@@ -30,8 +30,8 @@ at once. Only a compile says that a candidate fits.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import itertools
 import logging
 import math
 import re
@@ -40,13 +40,10 @@ from dataclasses import dataclass
 
 from . import estimate, introspect, knobs, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
+from .candidates import MAX_CANDIDATES, fewer_warps, next_stage_count, variant
 from .launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 
 log = logging.getLogger(__name__)
-
-#: Candidate compiles allowed for one incident; compiles take seconds, and a kernel with a
-#: large config list must not stall a server for minutes.
-MAX_CANDIDATES = 16
 
 #: Fitting candidates of a tuned kernel timed against each other before choosing: the
 #: tuned config with fewer stages and the fastest-timed other configs. Fewer stages keep the
@@ -148,11 +145,8 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
     fewer stages did not lower the bytes at all, the ladder stops: no smaller count will fit.
     """
     if error.name == "threads":
-        warps = failing.metadata.num_warps // 2
-        while warps >= 1 and budget > 0:
-            budget -= 1
+        for warps in itertools.islice(fewer_warps(failing.metadata.num_warps), max(budget, 0)):
             yield ("num_warps", warps, *try_compile(launch, f"num_warps={warps}", num_warps=warps))
-            warps //= 2
         return
     # A pipeline-depth parameter deeper than the option is the depth its loops run at (it is lowered with the option).
     last_stages = max(failing.metadata.num_stages, knobs.knobs_of(launch.jit).depth(launch.named_args()))
@@ -180,18 +174,15 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
             stages -= 1
             continue
         measured.overflowing.append((_constexprs(launch), stages))
-        per_stage = (last_bytes - attempt.required) / (last_stages - stages)
-        if per_stage <= 0:
+        following = next_stage_count((last_stages, last_bytes), stages, attempt.required, measured.limit)
+        if following is None:
             measured.stages_inert = (f"fewer stages did not lower the shared memory ({last_bytes} B at "
                                      f"{last_stages} stages, {attempt.required} B at {stages})")
             fixed = knobs.knobs_of(launch.jit).fixed_text()
             if fixed:
                 measured.stages_inert += f"; loops that set their own num_stages: {fixed}"
             return
-        last_stages, last_bytes = stages, attempt.required
-        predicted = min(stages - 1, stages - math.ceil((attempt.required - measured.limit) / per_stage))
-        # One stage is always tried: without pipelining a kernel may need far less than the line predicts.
-        stages = max(predicted, 1) if stages > 1 else 0
+        last_stages, last_bytes, stages = stages, attempt.required, following
 
 
 def _launch_as_config(launch: Launch, failing):
@@ -277,14 +268,6 @@ def _candidate_configs(launch: Launch, reference, measured: _Measured):
 def takes_variants(launch: Launch) -> bool:
     """Whether a config outside the tuner's own list can be adopted (see :class:`smemguard.layers.Tuner`)."""
     return launch.tuner_kind is None or launch.tuner_kind.takes_variants
-
-
-def variant(config, **options):
-    """``config`` with other options (``num_stages=2``), leaving the original untouched."""
-    changed = copy.copy(config)
-    for option, value in options.items():
-        setattr(changed, option, value)
-    return changed
 
 
 def option_variant(launch: Launch, config, **options):

@@ -15,7 +15,7 @@ import functools
 import logging
 from pathlib import Path
 
-from . import decisions, incidents, introspect, ladder, registry, runtime
+from . import candidates, decisions, incidents, introspect, ladder, registry, runtime
 from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
 from .launch import try_compile, with_config
 
@@ -124,7 +124,7 @@ def _config_from_entry(launch, entry: dict):
         if same_but_stages and config.num_stages >= entry["num_stages"]:
             if config.num_stages == entry["num_stages"]:
                 return config
-            return ladder.variant(config, num_stages=entry["num_stages"]) if ladder.takes_variants(launch) else None
+            return candidates.variant(config, num_stages=entry["num_stages"]) if ladder.takes_variants(launch) else None
     return None
 
 

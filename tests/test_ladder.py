@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
 from smemguard.testing import fake_gpu
@@ -178,3 +179,20 @@ def test_configs_at_least_as_big_as_one_measured_too_big_are_not_compiled(instal
     assert "BLOCK_M=128 BLOCK_N=256 BLOCK_K=64 num_warps=4 num_stages=3" in skipped
     compiled = [attempt["changes"] for attempt in record["attempts"][1:]]
     assert not any("BLOCK_M=256" in text or "BLOCK_N=256" in text for text in compiled), compiled
+
+
+def test_the_candidate_vocabulary_on_plain_values():
+    """The steps the launch ladder, the compile-time core and Inductor's recovery share (smemguard.candidates)."""
+    from smemguard import candidates
+
+    assert list(candidates.fewer_warps(8)) == [4, 2, 1] and list(candidates.fewer_warps(1)) == []
+    # 131072 B at 5 stages, 114688 B at 4 (16384 B a stage) over 101376 B: 4 - ceil(13312 / 16384) = 3
+    assert candidates.next_stage_count((5, 131072), 4, 114688, 101376) == 3
+    assert candidates.next_stage_count((5, 131072), 4, 131072, 101376) is None, "fewer stages saved nothing"
+    assert candidates.next_stage_count((3, 90000), 2, 80000, 10000) == 1, "one stage is always tried"
+    assert candidates.next_stage_count((2, 90000), 1, 80000, 10000) == 0, "nothing below one stage"
+    config = triton.Config({"BLOCK": 64, "NUM_STAGES": 4}, num_stages=4, num_warps=8)
+    changed = candidates.variant(config, {"NUM_STAGES": 2}, num_stages=2)
+    assert (changed.kwargs, changed.num_stages, changed.num_warps) == ({"BLOCK": 64, "NUM_STAGES": 2}, 2, 8)
+    assert (config.kwargs, config.num_stages) == ({"BLOCK": 64, "NUM_STAGES": 4}, 4), "the original untouched"
+    assert candidates.variant(config, num_warps=4).kwargs is not config.kwargs
