@@ -16,8 +16,8 @@ from .registry import (  # noqa: E402
 )
 
 __all__ = ["install", "uninstall", "is_installed", "register_fallback", "unregister_fallback",
-           "register_alternatives", "unregister_alternatives", "tile_choice", "rerun_on_overflow", "fits", "fits_for",
-           "__version__"]
+           "register_alternatives", "unregister_alternatives", "tile_choice", "tiles_at_launch", "rerun_on_overflow",
+           "fits", "fits_for", "__version__"]
 
 
 def __getattr__(name):
@@ -27,7 +27,7 @@ def __getattr__(name):
         from . import pruning
 
         return getattr(pruning, name)
-    if name in ("tile_choice", "rerun_on_overflow"):  # for a library's wrappers; imports Triton when used
+    if name in ("tile_choice", "tiles_at_launch", "rerun_on_overflow"):  # for wrappers; imports Triton when used
         from . import wrapper_tiles
 
         return getattr(wrapper_tiles, name)

@@ -150,7 +150,9 @@ _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
 #: What a wrapper's tile entry holds (:mod:`smemguard.wrapper_tiles`): the tile that fit, and what did not fit.
-_TILES_NEEDS = {"value": Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16),
+_TILE = Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16)
+_TILES_NEEDS = {"value": Expect("a tile from 1 to 65536, or a list of 1 to 8 of them", lambda value: _TILE.test(value)
+                                or (type(value) is list and 1 <= len(value) <= 8 and all(map(_TILE.test, value)))),
                 "resource": TEXT, "required": _REQUIRED}
 
 

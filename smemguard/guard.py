@@ -225,6 +225,7 @@ def _patch(settings: Settings) -> bool:
                     if runtime.applied_patches() else "Triton is left untouched and kernels run unguarded. "
                     "Fix: upgrade Triton or smemguard.")
     _active = settings
+    runtime.set_installed_settings(settings)
     _guarding_triton = bool(runtime.applied_patches())
     metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
@@ -328,6 +329,7 @@ def uninstall() -> None:
     with _lock:
         _pending = None
         _active = None
+        runtime.set_installed_settings(None)
         _guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
@@ -356,7 +358,3 @@ def is_installed() -> bool:
     from .patches import kernel_interface
 
     return kernel_interface.is_patched()
-
-
-def active_settings() -> Settings | None:
-    return _active

@@ -20,10 +20,22 @@ from . import versions
 log = logging.getLogger(__name__)
 
 _emulated_limit: int | None = None
+_installed_settings = None  # the Settings install() applied (the installer writes it), None while not installed
 
 # tuning layer -> {tuning key -> {config -> median ms}}
 _timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _timings_lock = threading.Lock()
+
+
+def installed_settings():
+    """The settings smemguard is installed with in this process, or None: what code that no patch hands them to
+    (a library's declared wrappers, :mod:`smemguard.wrapper_tiles`) reads."""
+    return _installed_settings
+
+
+def set_installed_settings(settings) -> None:
+    global _installed_settings
+    _installed_settings = settings
 
 
 @contextlib.contextmanager

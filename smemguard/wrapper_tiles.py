@@ -41,7 +41,9 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import decisions, guard, incidents, introspect, runtime
+import wrapt
+
+from . import decisions, incidents, introspect, runtime
 from .decision import TILES_REDUCED
 from .internal import StepFailed, Steps
 from .launch import Attempt
@@ -54,14 +56,14 @@ TABLE = "tiles"
 
 @dataclasses.dataclass
 class _Call:
-    """One running call of a declared wrapper: its name, and every tile a declared choice answered in it."""
+    """One running call of a declared wrapper: its name, and every tile a declaration answered in it."""
 
     wrapper: str
-    chosen: list = dataclasses.field(default_factory=list)  # [(choice, shape class, tile)]
+    chosen: list = dataclasses.field(default_factory=list)  # [(declaration, shape class, tiles)]
 
 
 _UNKNOWN = object()
-#: Whether any declared choice may answer a learnt tile: one was learnt here, or the decision cache holds a tiles
+#: Whether any declaration may answer a learnt tile: one was learnt here, or the decision cache holds a tiles
 #: table (None: not read since install). While False, a healthy call records nothing: a declared wrapper costs a
 #: ``try`` and a declared choice a thread-local read.
 _tiles_in_use: bool | None = None
@@ -71,81 +73,101 @@ class _Running(threading.local):
 
 
 _running = _Running()
-_choices: weakref.WeakSet = weakref.WeakSet()  # every TileChoice, whose learnt tiles uninstall() forgets
+_declarations: weakref.WeakSet = weakref.WeakSet()  # every declaration, whose learnt tiles uninstall() forgets
 
 
-def tile_choice(*, kernel, tile: str, smallest: int = 16) -> Callable[[Callable[..., int]], TileChoice]:
-    """Declare the decorated function as where a wrapper chooses ``kernel``'s ``tile`` (a constexpr the launch
-    passes by name); ``smallest``: the least tile the kernel may take (16 for ``tl.dot``)."""
-    if not isinstance(tile, str) or not tile.isidentifier():
-        raise TypeError(f"tile must name the kernel's constexpr, not {tile!r}")
+def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
+    """(the kernels' JIT functions, the tiles' names as a tuple); TypeError saying what is wrong."""
+    names = (tiles,) if isinstance(tiles, str) else tuple(tiles) if isinstance(tiles, (tuple, list)) else ()
+    if not names or not all(isinstance(name, str) and name.isidentifier() for name in names) \
+            or len(set(names)) != len(names):
+        raise TypeError(f"tile must name the kernel's constexpr (or a tuple of them), not {tiles!r}")
     if type(smallest) is not int or smallest < 1:
         raise TypeError(f"smallest must be a positive integer, not {smallest!r}")
-    jit = introspect.jit_function(kernel)
-    if jit is None or not hasattr(jit, "arg_names"):
-        raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotune or heuristics), not {kernel!r}")
-    if tile not in jit.arg_names:
-        raise TypeError(f"{introspect.kernel_name(jit)} has no parameter {tile!r}")
-    return lambda function: TileChoice(function, jit, tile, smallest)
+    jits = []
+    for kernel in kernels:
+        jit = introspect.jit_function(kernel)
+        if jit is None or not hasattr(jit, "arg_names"):
+            raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotune or heuristics), not {kernel!r}")
+        missing = [name for name in names if name not in jit.arg_names]
+        if missing:
+            raise TypeError(f"{introspect.kernel_name(jit)} has no parameter {missing[0]!r}")
+        jits.append(jit)
+    return tuple(jits), names
 
 
-class TileChoice:
-    """A library's tile choice function, lowered inside its declared wrappers to the tile learnt for a shape class
-    on this device's arch and limit."""
+def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int = 16,
+                at: int | tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], TileChoice]:
+    """Declare the decorated function as where a wrapper chooses ``kernel``'s ``tile`` (a constexpr the launch
+    passes by name; a tuple of them when the function chooses several; ``kernel`` a tuple of kernels when the
+    library's wrappers launch different ones with the same choice). ``smallest``: the least tile the kernels may
+    take (16 for ``tl.dot``). ``at``: where the tiles are in the tuple the function returns (a library's function
+    that returns its whole launch configuration); None: it returns the tile itself."""
+    jits, names = _checked(kernel if isinstance(kernel, (tuple, list)) else (kernel,), tile, smallest)
+    positions = None if at is None else (at,) if type(at) is int else tuple(at) if isinstance(at, (tuple, list)) \
+        else ()
+    if positions is not None and (len(positions) != len(names) or not all(type(index) is int for index in positions)):
+        raise TypeError(f"at must give one position in the returned tuple per tile ({len(names)}), not {at!r}")
+    if positions is None and len(names) > 1:
+        raise TypeError("a function that chooses several tiles returns a tuple: say where each one is with at=")
+    return lambda function: TileChoice(function, jits, names, smallest, positions)
 
-    def __init__(self, function: Callable[..., int], jit, tile: str, smallest: int):
-        functools.update_wrapper(self, function)
-        self.function, self.jit, self.tile, self.smallest = function, jit, tile, smallest
-        self.name = introspect.callable_name(function)
-        self._signature = inspect.signature(function)
-        self._names = tuple(self._signature.parameters)
-        self._positional = all(parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
-                               for parameter in self._signature.parameters.values())
+
+def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tuple, dict, dict], tuple],
+                    shape: Callable[[tuple, dict], dict], smallest: int = 16) -> Any:
+    """``kernel`` for a wrapper that chooses its tiles inline (no function to declare): use what this returns
+    in place of the kernel. Inside a call of a wrapper declared with it, a launch answers the tiles learnt for
+    its shape class: ``shape(args, kwargs)`` of the launch (a dict of plain values: what the tiles depend on),
+    and ``grid(grid, launched, lowered)`` the grid for the lowered tiles (``launched`` and ``lowered``: the
+    tiles by name), which the caller computed from the tiles it launched: the declaration says how."""
+    jits, names = _checked((kernel,), tile, smallest)
+    if not callable(grid) or not callable(shape):
+        raise TypeError("grid and shape must be functions of the launch (see smemguard.tiles_at_launch)")
+    return _LaunchLayer(kernel, LaunchTiles(jits, names, smallest, grid, shape, introspect.kernel_name(jits[0])))
+
+
+class _Declaration:
+    """Where a wrapper's tiles for one kernel come from; what this process and the decision cache learnt for them
+    per (wrapper, device, limit, shape class)."""
+
+    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest: int, name: str):
+        self.jits, self.tiles, self.smallest, self.name = jits, tiles, smallest, name
         self._lock = threading.Lock()
-        self._known: dict[tuple, int | None] = {}  # (wrapper, device, limit, shape class) -> tile; None: none
+        self._known: dict[tuple, tuple | None] = {}  # (wrapper, device, limit, shape class) -> tiles; None: none
         self._limits: dict[int, int] = {}  # device -> the limit enforced there
-        _choices.add(self)
+        _declarations.add(self)
 
-    def __call__(self, *args, **kwargs) -> int:
-        tile = self.function(*args, **kwargs)
-        call = _running.call
-        if call is None:  # not inside a declared wrapper: the library's own answer
-            return tile
-        try:
-            shape = self.shape_class(args, kwargs)
-            learnt = self._learnt(call.wrapper, shape) if shape is not None else None
-        except Exception:  # bookkeeping only: the library's own choice stands
-            log.debug("smemguard: could not look up a learnt %s for %s", self.tile, self.name, exc_info=True)
-            return tile
-        if learnt is not None and learnt < tile:
-            tile = learnt
-        if shape is not None:
-            call.chosen.append((self, shape, tile))
-        return tile
+    def lowered(self, wrapper: str, shape: tuple, answered: tuple) -> tuple:
+        """``answered`` with each tile no larger than the one learnt for the shape class."""
+        learnt = self._learnt(wrapper, shape)
+        return answered if learnt is None else tuple(min(pair) for pair in zip(answered, learnt))
 
-    def shape_class(self, args: tuple, kwargs: dict) -> tuple | None:
-        """The choice's arguments by name (dtypes by name); None when one is not a plain value (a tensor: the
-        choice takes what it depends on, not the data)."""
-        if self._positional and not kwargs and len(args) == len(self._names):  # the usual call: no binding to do
-            arguments = zip(self._names, args)
-        else:
-            bound = self._signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            arguments = bound.arguments.items()
-        shape = []
-        for name, value in arguments:
-            if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-                value = str(value)
-            elif not (value is None or isinstance(value, (bool, int, float, str))):
-                return None
-            shape.append((name, value))
-        return tuple(shape)
+    def smaller(self, tiles: tuple) -> tuple | None:
+        """The next tiles to try: every tile equal to the largest halved (equal tiles stay equal, a smaller one
+        waits), or None when that would go below ``smallest``."""
+        largest = max(tiles)
+        if largest // 2 < self.smallest:
+            return None
+        return tuple(tile // 2 if tile == largest else tile for tile in tiles)
+
+    def label(self, tiles: tuple) -> str:
+        return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
+
+    def stored(self, tiles: tuple) -> int | list[int]:
+        """How the decision cache holds the tiles (one tile as a number, as entries written before several)."""
+        return tiles[0] if len(tiles) == 1 else list(tiles)
+
+    def from_store(self, value) -> tuple | None:
+        tiles = (value,) if type(value) is int else tuple(value) if type(value) is list else ()
+        fits = len(tiles) == len(self.tiles) and all(type(tile) is int and tile >= self.smallest for tile in tiles)
+        return tiles if fits else None
 
     def case(self, wrapper: str, shape: tuple) -> dict:
-        """What identifies a learnt tile to other processes: the wrapper, the kernel's source, the choice, the shape
-        class, and this device's Triton, arch and limit."""
-        return {"wrapper": wrapper, "kernel": introspect.kernel_name(self.jit),
-                "source_hash": introspect.source_hash(self.jit), "choice": self.name, "tile": self.tile,
+        """What identifies learnt tiles to other processes: the wrapper, the kernel's source, the declaration,
+        the shape class, and this device's Triton, arch and limit."""
+        return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, self.jits)),
+                "source_hash": ",".join(map(introspect.source_hash, self.jits)), "choice": self.name,
+                "tile": ",".join(self.tiles),
                 "shape": [list(pair) for pair in shape], **decisions.on_device(runtime.current_device())}
 
     def _key(self, wrapper: str, shape: tuple) -> tuple:
@@ -155,7 +177,7 @@ class TileChoice:
             limit = self._limits[device] = runtime.effective_limit(device)
         return (wrapper, device, limit, shape)
 
-    def _learnt(self, wrapper: str, shape: tuple) -> int | None:
+    def _learnt(self, wrapper: str, shape: tuple) -> tuple | None:
         key = self._key(wrapper, shape)
         known = self._known.get(key, _UNKNOWN)  # one dict read, atomic: the lock only orders the writers
         if known is not _UNKNOWN:
@@ -164,11 +186,11 @@ class TileChoice:
         with self._lock:
             return self._known.setdefault(key, stored)
 
-    def learn(self, wrapper: str, shape: tuple, tile: int | None) -> None:
+    def learn(self, wrapper: str, shape: tuple, tiles: tuple | None) -> None:
         global _tiles_in_use
         with self._lock:
-            self._known[self._key(wrapper, shape)] = tile
-        if tile is not None:
+            self._known[self._key(wrapper, shape)] = tiles
+        if tiles is not None:
             _tiles_in_use = True
 
     def forget_all(self) -> None:
@@ -177,11 +199,120 @@ class TileChoice:
             self._limits.clear()
 
 
+def _shape_class(arguments) -> tuple | None:
+    """(name, value) pairs with dtypes by name; None when a value is not a plain one (a tensor: the shape class
+    holds what the tiles depend on, not the data)."""
+    shape = []
+    for name, value in arguments:
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            value = str(value)
+        elif not (value is None or isinstance(value, (bool, int, float, str))):
+            return None
+        shape.append((name, value))
+    return tuple(shape)
+
+
+class TileChoice(_Declaration):
+    """A library's tile choice function, lowered inside its declared wrappers to the tiles learnt for a shape class
+    (its arguments) on this device's arch and limit."""
+
+    def __init__(self, function: Callable[..., Any], jits: tuple, tiles: tuple[str, ...], smallest: int,
+                 positions: tuple[int, ...] | None):
+        functools.update_wrapper(self, function)
+        super().__init__(jits, tiles, smallest, introspect.callable_name(function))
+        self.function, self.positions = function, positions
+        self._signature = inspect.signature(function)
+        self._names = tuple(self._signature.parameters)
+        self._positional = all(parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+                               for parameter in self._signature.parameters.values())
+
+    def __call__(self, *args, **kwargs):
+        answer = self.function(*args, **kwargs)
+        call = _running.call
+        if call is None:  # not inside a declared wrapper: the library's own answer
+            return answer
+        try:
+            shape = self.shape_class(args, kwargs)
+            if shape is None:
+                return answer
+            answered = (answer,) if self.positions is None else tuple(answer[index] for index in self.positions)
+            tiles = self.lowered(call.wrapper, shape, answered)
+            if tiles != answered:
+                answer = tiles[0] if self.positions is None else _replaced(answer, self.positions, tiles)
+        except Exception:  # bookkeeping only: the library's own choice stands
+            log.debug("smemguard: could not look up a learnt %s for %s", self.label(self.tiles), self.name,
+                      exc_info=True)
+            return answer
+        call.chosen.append((self, shape, tiles))
+        return answer
+
+    def shape_class(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The choice's arguments by name (dtypes by name); None when one is not a plain value."""
+        if self._positional and not kwargs and len(args) == len(self._names):  # the usual call: no binding to do
+            return _shape_class(zip(self._names, args))
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _shape_class(bound.arguments.items())
+
+
+def _replaced(answer: tuple, positions: tuple[int, ...], tiles: tuple) -> tuple:
+    replaced = list(answer)
+    for index, tile in zip(positions, tiles):
+        replaced[index] = tile
+    return answer._make(replaced) if hasattr(answer, "_make") else type(answer)(replaced)
+
+
+class LaunchTiles(_Declaration):
+    """Tiles a wrapper chose inline, lowered at its kernel's launch, with the grid the declaration computes."""
+
+    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest: int, grid: Callable, shape: Callable,
+                 name: str):
+        super().__init__(jits, tiles, smallest, name)
+        self._grid, self._shape = grid, shape
+
+    def launch(self, kernel, call: _Call, grid, args: tuple, kwargs: dict):
+        """``kernel[grid](*args, **kwargs)`` inside a declared call, with the tiles learnt for its shape class."""
+        try:
+            answered = tuple(kwargs[name] for name in self.tiles)
+            shape = _shape_class(self._shape(args, kwargs).items()) if all(
+                type(tile) is int for tile in answered) else None
+            tiles = self.lowered(call.wrapper, shape, answered) if shape is not None else answered
+            if tiles != answered:
+                launched, lowered = dict(zip(self.tiles, answered)), dict(zip(self.tiles, tiles))
+                kwargs = {**kwargs, **lowered}
+                grid = grid if callable(grid) else tuple(self._grid(tuple(grid), launched, lowered))
+        except Exception:  # bookkeeping only: the launch as the library made it
+            log.debug("smemguard: could not look up learnt tiles for %s", self.name, exc_info=True)
+            return kernel[grid](*args, **kwargs)
+        if shape is not None:
+            call.chosen.append((self, shape, tiles))
+        return kernel[grid](*args, **kwargs)
+
+
+class _LaunchLayer(wrapt.ObjectProxy):
+    """A kernel whose launches inside declared calls answer learnt tiles (:func:`tiles_at_launch`); elsewhere the
+    kernel itself."""
+
+    def __init__(self, kernel, tiles: LaunchTiles):
+        super().__init__(kernel)
+        self._self_tiles = tiles
+
+    def __getitem__(self, grid):
+        call = _running.call
+        if call is None:
+            return self.__wrapped__[grid]
+        return functools.partial(_launch_with, self._self_tiles, self.__wrapped__, call, grid)
+
+
+def _launch_with(tiles: LaunchTiles, kernel, call: _Call, grid, *args, **kwargs):
+    return tiles.launch(kernel, call, grid, args, kwargs)
+
+
 def forget() -> None:
     """Forget every tile learnt in this process (``uninstall()``); the decision cache keeps its entries."""
     global _tiles_in_use
-    for choice in list(_choices):
-        choice.forget_all()
+    for declaration in list(_declarations):
+        declaration.forget_all()
     _tiles_in_use = None
 
 
@@ -203,22 +334,25 @@ def _overflow(error: BaseException) -> bool:
     return isinstance(error, OutOfResources) and error.name == SHARED
 
 
-def rerun_on_overflow(*choices: TileChoice) -> Callable[[Callable], Callable]:
-    """Declare the decorated wrapper safe to run again from its start when the first launch of a kernel whose tile
-    one of ``choices`` chose cannot fit (the contract: this module's docstring)."""
-    if not choices or not all(isinstance(choice, TileChoice) for choice in choices):
-        raise TypeError("rerun_on_overflow takes the smemguard.tile_choice functions the wrapper chooses tiles with")
+def rerun_on_overflow(*choices) -> Callable[[Callable], Callable]:
+    """Declare the decorated wrapper safe to run again from its start when the first launch of a kernel whose tiles
+    one of ``choices`` (``smemguard.tile_choice`` functions, ``smemguard.tiles_at_launch`` kernels) chose cannot
+    fit (the contract: this module's docstring)."""
+    declarations = tuple(getattr(choice, "_self_tiles", choice) for choice in choices)
+    if not declarations or not all(isinstance(declaration, _Declaration) for declaration in declarations):
+        raise TypeError("rerun_on_overflow takes the smemguard.tile_choice functions or smemguard.tiles_at_launch "
+                        "kernels the wrapper chooses tiles with")
 
     def decorate(wrapper: Callable) -> Callable:
         name = introspect.callable_name(wrapper)
 
         @functools.wraps(wrapper)
         def rerunnable(*args, **kwargs):
-            settings = guard.active_settings()
+            settings = runtime.installed_settings()
             if settings is None or settings.observe_only:
                 return wrapper(*args, **kwargs)
             if _tiles_in_use is not False and _in_use(settings):
-                return _run(wrapper, name, choices, settings, args, kwargs)
+                return _run(wrapper, name, declarations, settings, args, kwargs)
             try:
                 return wrapper(*args, **kwargs)
             except Exception as error:
@@ -226,7 +360,7 @@ def rerun_on_overflow(*choices: TileChoice) -> Callable[[Callable], Callable]:
                     raise
                 failure = error
             # Outside the except block: the caller's error, if it stands, is raised unchained.
-            return _run(wrapper, name, choices, settings, args, kwargs, failure)
+            return _run(wrapper, name, declarations, settings, args, kwargs, failure)
 
         return rerunnable
 
@@ -248,90 +382,94 @@ def _recorded_call(wrapper: Callable, name: str, args: tuple, kwargs: dict) -> t
         _running.call = outer
 
 
-def _run(wrapper: Callable, name: str, choices: tuple, settings, args: tuple, kwargs: dict,
+def _run(wrapper: Callable, name: str, declarations: tuple, settings, args: tuple, kwargs: dict,
          unrecorded: BaseException | None = None):
-    """The call, run again with halved tiles while a declared choice's kernel is the launch that does not fit.
-    ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tile it chose
+    """The call, run again with smaller tiles while a declaration's kernel is the launch that does not fit.
+    ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tiles it chose
     (the contract makes that safe: it failed at its first launch)."""
     result, error, call = _recorded_call(wrapper, name, args, kwargs)
     if error is None:
         return result
     original, started, steps, failed = unrecorded or error, time.perf_counter(), Steps(name), []
-    step = steps.run("read the failed launch", _failed_choice, choices, call, error, otherwise=lambda: None)
+    step = steps.run("read the failed launch", _failed_choice, declarations, call, error, otherwise=lambda: None)
     if step is None:
-        raise original  # not a launch of a declared choice's kernel at the tile it chose: the caller's error
-    choice, shape, tile = step
+        raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
+    declaration, shape, tiles, kernel = step
     while True:
-        failed.append(Attempt(f"{choice.tile}={tile}", error.required, error.limit, False))
-        smaller = tile // 2
-        if smaller < choice.smallest:  # nothing smaller may run: the library's own tile again, its error
-            steps.run("forget the tile", choice.learn, name, shape, None, otherwise=lambda: None)
+        failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
+        smaller = declaration.smaller(tiles)
+        if smaller is None:  # nothing smaller may run: the library's own tiles again, its error
+            steps.run("forget the tiles", declaration.learn, name, shape, None, otherwise=lambda: None)
             raise original
         try:
-            steps.run("learn the tile", choice.learn, name, shape, smaller)
+            steps.run("learn the tiles", declaration.learn, name, shape, smaller)
         except StepFailed:
             raise original from None
         result, error, call = _recorded_call(wrapper, name, args, kwargs)
         if error is None:
             break
-        step = steps.run("read the failed launch", _failed_choice, choices, call, error, otherwise=lambda: None)
-        if step is None or step[:2] != (choice, shape):
+        step = steps.run("read the failed launch", _failed_choice, declarations, call, error, otherwise=lambda: None)
+        if step is None or step[:2] != (declaration, shape):
             raise error  # a later launch failed after the kernel ran: the call is not run again
-        tile = step[2]
-    _report(name, choice, shape, original, failed, smaller, started, settings, steps)
+        tiles = step[2]
+    _report(name, declaration, kernel, shape, original, failed, smaller, started, settings, steps)
     return result
 
 
-def _failed_choice(choices: tuple, call: _Call, error) -> tuple | None:
-    """(choice, shape class, tile) when ``error`` came from a launch of a declared choice's kernel and that choice
-    answered in ``call``; else None."""
-    kernel = _failed_kernel(error)
-    return next(((choice, shape, tile) for choice, shape, tile in call.chosen
-                 if choice in choices and kernel is choice.jit), None)
+def _failed_choice(declarations: tuple, call: _Call, error) -> tuple | None:
+    """(declaration, shape class, tiles, kernel) when ``error`` came from a launch of a declared kernel with the
+    tiles a declaration answered in ``call`` (each passed by name); else None."""
+    kernel, launched = _failed_launch(error)
+    return next(((declaration, shape, tiles, kernel) for declaration, shape, tiles in call.chosen
+                 if declaration in declarations and any(kernel is jit for jit in declaration.jits)
+                 and all(launched.get(name, _UNKNOWN) == tile for name, tile in zip(declaration.tiles, tiles))),
+                None)
 
 
-def _failed_kernel(error):
-    """The Triton kernel whose launch raised ``error``: the JIT function under the ``self`` of the innermost frame
-    in the traceback that holds one (Triton's own ``run``, an autotuner's)."""
-    found = None
+def _failed_launch(error) -> tuple[Any, dict]:
+    """(the Triton kernel whose launch raised ``error``, the constexprs it was launched with by name): the JIT
+    function under the ``self`` of the innermost frame in the traceback that holds one (Triton's own ``run``),
+    and that frame's ``kwargs``."""
+    found, launched = None, {}
     tb = error.__traceback__
     while tb is not None:
-        holder = tb.tb_frame.f_locals.get("self")
+        local = tb.tb_frame.f_locals
+        holder = local.get("self")
         jit = introspect.jit_function(holder) if holder is not None else None
         if jit is not None and hasattr(jit, "arg_names"):
-            found = jit
+            found, launched = jit, local.get("kwargs") if isinstance(local.get("kwargs"), dict) else {}
         tb = tb.tb_next
-    return found
+    return found, launched
 
 
-def _stored(choice: TileChoice, wrapper: str, shape: tuple) -> int | None:
-    """The tile the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
-    settings = guard.active_settings()
+def _stored(declaration: _Declaration, wrapper: str, shape: tuple) -> tuple | None:
+    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
+    settings = runtime.installed_settings()
     store = decisions.store(settings.cache_dir) if settings is not None else None
     if store is None or not store.holds(TABLE):
         return None
-    entry = store.get(TABLE, decisions.case_id(choice.case(wrapper, shape)))
-    return entry["value"] if entry is not None and entry["value"] >= choice.smallest else None
+    entry = store.get(TABLE, decisions.case_id(declaration.case(wrapper, shape)))
+    return declaration.from_store(entry["value"]) if entry is not None else None
 
 
-def _report(wrapper: str, choice: TileChoice, shape: tuple, error, failed: list, final: int, started: float,
-            settings, steps: Steps) -> None:
+def _report(wrapper: str, declaration: _Declaration, jit, shape: tuple, error, failed: list, final: tuple,
+            started: float, settings, steps: Steps) -> None:
     device = runtime.current_device()
-    chosen = f"{choice.tile}={final}"
-    kernel = introspect.kernel_name(choice.jit)
+    chosen = declaration.label(final)
+    kernel = introspect.kernel_name(jit)
     incident = incidents.Incident(
         kernel=kernel, launched_as=wrapper, phase="launch", action=TILES_REDUCED, final=chosen, resource=SHARED,
         required=error.required, limit_hit=error.limit, started=started, device=device,
         internal_steps=steps.failed, compiles=len(failed),
         attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
-        extras={"shape_class": dict(shape), "config": failed[0].config, "choice": choice.name})
-    incidents.report(incident, settings.log_path, (wrapper, choice.name, shape, device),
+        extras={"shape_class": dict(shape), "config": failed[0].config, "choice": declaration.name})
+    incidents.report(incident, settings.log_path, (wrapper, declaration.name, shape, device),
                      "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
                      kernel, SHARED, error.required, error.limit, failed[0].config,
                      " ".join(f"{name}={value}" for name, value in shape), wrapper, chosen)
     store = steps.run("open the decision cache", decisions.store, settings.cache_dir, otherwise=lambda: None)
     if store is not None:
-        case = choice.case(wrapper, shape)
-        steps.run("store the tile", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
+        case = declaration.case(wrapper, shape)
+        steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
             case, action=TILES_REDUCED, final=chosen, from_config=failed[0].config, gpu=decisions.gpu_label(device),
-            resource=SHARED, required=error.required, value=final), otherwise=lambda: None)
+            resource=SHARED, required=error.required, value=declaration.stored(final)), otherwise=lambda: None)

@@ -70,7 +70,7 @@ def install_guard(incident_log):
 @pytest.fixture(autouse=True)
 def _never_leave_the_guard_installed():
     yield
-    if guard.active_settings() is not None:
+    if runtime.installed_settings() is not None:
         smemguard.uninstall()
         pytest.fail("a test left smemguard installed")
 

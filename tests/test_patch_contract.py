@@ -68,6 +68,42 @@ STAND_INS = {
                         BLOCK_SIZE: triton.language.constexpr):
             pass
         """),
+    "sglang/__init__.py": "__version__ = '0.5.23'\n",
+    "sglang/kernels/__init__.py": "",
+    "sglang/kernels/ops/__init__.py": "",
+    "sglang/kernels/ops/attention/__init__.py": "",
+    "sglang/kernels/ops/attention/extend_attention.py": textwrap.dedent("""
+        import triton
+
+        @triton.jit
+        def _fwd_kernel(Q, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr):
+            pass
+
+        @triton.jit
+        def _fwd_kernel_unified(Q, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr):
+            pass
+
+        def _get_block_sizes_for_extend_attention(Lq, Lv):
+            return 512, 64, 512, 32, 64, 8
+
+        def extend_attention_fwd(q, *args, **kwargs):
+            return _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])
+
+        def extend_attention_fwd_unified(q, *args, **kwargs):
+            return _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])
+        """),
+    "sglang/kernels/ops/attention/prefill_attention.py": textwrap.dedent("""
+        import triton
+
+        @triton.jit
+        def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
+                        Lk: triton.language.constexpr):
+            pass
+
+        def context_attention_fwd(q, k, v, o, *args, **kwargs):
+            BLOCK = 128
+            return BLOCK
+        """),
     "flag_gems/__init__.py": "__version__ = '5.0.2'\n",
     "flag_gems/utils/__init__.py": "",
     "flag_gems/utils/libentry.py": textwrap.dedent("""
@@ -241,6 +277,16 @@ EXERCISE = {
             loaded.function, loaded.shared, loaded.name = object(), 0, "loaded"
             loaded.device_agnostic = False  # torch 2.14's per-device path, off as Inductor leaves it by default
             loaded.load_kernel(0)  # loaded already: Inductor's loader returns at once
+    """,
+    "sglang_extend_attention": f"""
+        def exercise(round_):
+            import sglang.kernels.ops.attention.extend_attention as module
+            module.extend_attention_fwd({_SHAPE})
+    """,
+    "sglang_prefill_attention": f"""
+        def exercise(round_):
+            import sglang.kernels.ops.attention.prefill_attention as module
+            module.context_attention_fwd({_SHAPE}, None, None, None)
     """,
     "vllm_prefill_attention": f"""
         def exercise(round_):

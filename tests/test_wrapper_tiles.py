@@ -127,6 +127,59 @@ def test_an_overflow_of_another_kernel_reaches_the_caller_as_raised(install_guar
         assert gpu.launches == []
 
 
+@smemguard.tile_choice(kernel=matmul_kernel, tile=("BLOCK_M", "BLOCK_N"), at=(1, 2), smallest=32)
+def launch_config(rows: int) -> tuple:
+    """A library's choice of its whole launch configuration: (num_warps, BLOCK_M, BLOCK_N, BLOCK_K)."""
+    return 4, 128, 128, 64
+
+
+@smemguard.rerun_on_overflow(launch_config)
+def matmul_configured(a, b, c):
+    warps, block_m, block_n, block_k = launch_config(a.shape[0])
+    grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(b.shape[1], block_n))
+    matmul_kernel[grid](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                        num_stages=1)
+
+
+def test_a_choice_of_several_tiles_halves_the_largest_together_and_stores_them_all(install_guard, incident_log,
+                                                                                  tmp_path, triton_cache):
+    """128x128 (32768 B) and 64x128 (24576 B) do not fit 20000 B; equal tiles halve together: 64x64 (16384 B)."""
+    install_guard(cache_dir=tmp_path / "decisions")
+    with fake_gpu("L4", max_shared=20000, cache_dir=triton_cache) as gpu:
+        matmul_configured(*operands())
+        assert [(launch.grid, launch.shared) for launch in gpu.launches] == [((4, 4, 1), 16384)]
+    [chosen] = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
+    assert (chosen["config"], chosen["final"], chosen["compiles"]) == ("BLOCK_M=128 BLOCK_N=128",
+                                                                       "BLOCK_M=64 BLOCK_N=64", 1)
+    [entry] = json.loads((tmp_path / "decisions" / "decisions.json").read_text())["tiles"].values()
+    assert (entry["value"], entry["tile"]) == ([64, 64], "BLOCK_M,BLOCK_N")
+
+
+def test_tiles_chosen_inline_are_lowered_at_the_launch_with_the_grid_the_declaration_computes(
+        install_guard, incident_log, triton_cache):
+    """A wrapper with no choice function: the kernel declared where it launches, its grid rule given."""
+    kernel = smemguard.tiles_at_launch(
+        matmul_kernel, tile="BLOCK_M", smallest=32, shape=lambda args, kwargs: {"dtype": args[0].dtype},
+        grid=lambda grid, launched, lowered: (grid[0] * launched["BLOCK_M"] // lowered["BLOCK_M"], grid[1]))
+
+    @smemguard.rerun_on_overflow(kernel)
+    def inline(a, b, c):
+        block_m = 128  # chosen inline
+        kernel[(triton.cdiv(a.shape[0], block_m), 2)](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=128,
+                                                      BLOCK_K=64, num_stages=1)
+
+    install_guard()
+    with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        inline(*operands())
+        inline(*operands())
+        assert [(launch.grid, launch.shared) for launch in gpu.launches] == [((4, 2, 1), 24576)] * 2
+    assert [record["final"] for record in records(incident_log) if record["action"] == "tiles_reduced"] == \
+        ["BLOCK_M=64"]
+    with fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        kernel[(1,)](*matmul_args(*operands()), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=1)
+        assert gpu.launches[-1].grid == (1, 1, 1), "outside a declared wrapper: the kernel itself"
+
+
 def test_the_declarations_refuse_what_cannot_be_a_tile_choice():
     with pytest.raises(TypeError, match="has no parameter 'BLOCK_Q'"):
         smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_Q")
@@ -136,6 +189,12 @@ def test_the_declarations_refuse_what_cannot_be_a_tile_choice():
         smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M", smallest=0)
     with pytest.raises(TypeError, match="takes the smemguard.tile_choice functions"):
         smemguard.rerun_on_overflow(len)
+    with pytest.raises(TypeError, match="say where each one is with at="):
+        smemguard.tile_choice(kernel=matmul_kernel, tile=("BLOCK_M", "BLOCK_N"))
+    with pytest.raises(TypeError, match="one position in the returned tuple per tile"):
+        smemguard.tile_choice(kernel=matmul_kernel, tile=("BLOCK_M", "BLOCK_N"), at=(1,))
+    with pytest.raises(TypeError, match="grid and shape must be functions"):
+        smemguard.tiles_at_launch(matmul_kernel, tile="BLOCK_M", grid=(1,), shape=dict)
 
 
 @pytest.mark.gpu

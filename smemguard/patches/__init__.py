@@ -59,6 +59,8 @@ MODULES = (
     "vllm_unified_attention",
     "vllm_prefill_attention",
     "vllm_prefix_prefill",
+    "sglang_extend_attention",
+    "sglang_prefill_attention",
     "inductor_static_launcher",
     "inductor_launchers",
     "inductor_flex_configs",

@@ -1,0 +1,69 @@
+"""SGLang's Triton extend (prefill with a prefix) attention: smaller ``BLOCK_M``/``BLOCK_N`` for the calls whose
+kernel does not fit.
+
+Why: ``extend_attention_fwd`` and ``extend_attention_fwd_unified`` (``sglang.kernels.ops.attention.extend_attention``,
+the Triton attention backend's prefill) take their tiles from ``_get_block_sizes_for_extend_attention(Lq, Lv)``, a
+table keyed by the compute capability read once at import: a GPU the table does not know gets a neighbour's tiles.
+Before SGLang's PR #14311, sm_120 (RTX 5090, RTX PRO 6000: 101376 B per block) took Hopper's (``>= 9``): Kimi K2's
+absorbed MLA shape (Lq 576, Lv 512) needs 106496 B at ``BLOCK_M=32, BLOCK_N=64`` and one stage (ktransformers
+#1570). The wrappers launch with ``num_stages=1`` and a tuple grid ``(batch, heads, cdiv(max_len_extend,
+BLOCK_M))``: no stage is left to take away, and the engine never changes a tile of a tuple-grid launch.
+
+Why smaller tiles are safe: both wrappers compute the grid from the ``BLOCK_M`` the choice returned, so a lowered
+choice recomputes it; the kernels mask query rows (``mask_m``) and keys per element (sequence ends, the causal and
+sliding-window masks, the custom mask by absolute index), and step the key loops by ``BLOCK_N`` (the prefix loop by
+``BLOCK_N_PREFIX``, the same choice on CUDA) from multiples of it; a window offset the backend aligned to a larger
+``BLOCK_N`` is a multiple of every smaller one. The results equal the larger tiles' up to the order of the online
+softmax's additions (not bitwise). Halving: every tile equal to the largest (``wrapper_tiles``), so a ``BLOCK_M``
+no larger than ``BLOCK_N`` stays so; down to 16 (``tl.dot``). The scheduler's tile budget reads the library's own
+``BLOCK_M`` (``triton_backend.extend_attention_block_m``, computed outside the wrappers): an estimate, unchanged.
+
+What it does: the choice function becomes a declared ``smemguard.tile_choice`` (tiles at positions 3 and 4 of the
+tuple it returns, for both kernels), the two wrappers ``smemguard.rerun_on_overflow`` (also where the Triton backend
+and the dLLM attention imported them by name). On CUDA each wrapper's first launch is its kernel (the FP8 casts and
+the compact grid are gfx950 paths; where a wrapper launches other tiles than the choice's, as gfx950's
+``BLOCK_M=256``, the error is the caller's, unchanged). Not applied in ``SMEMGUARD=observe``: it changes what runs.
+
+Checked against SGLang 0.5.23 (``sglang/kernels/ops/attention/extend_attention.py``); older releases kept the
+kernels in ``sglang.srt.layers.attention.triton_ops.extend_attention``, which this does not patch.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ._declared_wrappers import DeclaredWrappers
+from ..versions import Supported
+from ..wrapper_tiles import tile_choice
+
+TARGET_MODULE = "sglang.kernels.ops.attention.extend_attention"
+CHOICE = "_get_block_sizes_for_extend_attention"
+WRAPPERS = ("extend_attention_fwd", "extend_attention_fwd_unified")
+KERNELS = ("_fwd_kernel", "_fwd_kernel_unified")
+TARGET = f"{TARGET_MODULE}.{CHOICE}"
+TARGET_MODULES = (TARGET_MODULE,)
+SUPPORTED = Supported("sglang", (0, 5), (0, 5), label="SGLang")
+OBSERVE_SAFE = False  # changes the tiles that run
+
+#: (BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV, BLOCK_M, BLOCK_N, num_warps): where the tiles are in the choice's answer.
+TILES, POSITIONS = ("BLOCK_M", "BLOCK_N"), (3, 4)
+_SMALLEST = 16  # tl.dot needs M, N, K >= 16
+
+
+def _check(module) -> None:
+    """Raise when the module is not laid out as the versions this was checked against."""
+    choice = getattr(module, CHOICE, None)
+    if choice is None or tuple(inspect.signature(choice).parameters) != ("Lq", "Lv"):
+        raise RuntimeError(f"{TARGET_MODULE}.{CHOICE} is missing or not (Lq, Lv)")
+    for name in (*WRAPPERS, *KERNELS):
+        if not callable(getattr(module, name, None)):
+            raise RuntimeError(f"{TARGET_MODULE} has no {name}")
+
+
+def _declare(module, original):
+    return tile_choice(kernel=tuple(getattr(module, name) for name in KERNELS), tile=TILES, at=POSITIONS,
+                       smallest=_SMALLEST)(original)
+
+
+WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=CHOICE, declare=_declare, wrappers=WRAPPERS, check=_check)
+applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched

@@ -1,0 +1,81 @@
+"""SGLang's Triton prefill attention (``context_attention_fwd``): a smaller ``BLOCK`` for the calls whose
+``_fwd_kernel`` does not fit.
+
+Why: ``context_attention_fwd`` (``sglang.kernels.ops.attention.prefill_attention``: the vision encoders' attention
+and prefill without a prefix) chooses ``BLOCK = 128`` inline when the capability read at import has a major above
+8, else 64, computes a tuple grid ``(batch, heads, cdiv(max_input_len, BLOCK))`` and launches ``_fwd_kernel`` with
+``BLOCK_M=BLOCK_N=BLOCK`` and ``num_stages=1``. On sm_120 (101376 B per block) head size 256 in fp32 needs
+131072 B (SGLang PR #27962, open); on a T4 (sm_75, 65536 B) head size 256 in fp16 at 64 does not fit either. No stage
+is left to take away, and the engine never changes a tile of a tuple-grid launch.
+
+Why smaller tiles are safe (the kernel, read in 0.5.23): every query load and the store are masked on the rows
+(``offs_m < cur_batch_seq_len``), keys and values per element (``start_n + offs_n < cur_batch_seq_len``, the causal
+mask ``offs_m >= start_n + offs_n``); the key loop runs from 0 in steps of ``BLOCK_N`` to the sequence end (causal:
+the block's last row), and a program whose ``BLOCK_M * start_m`` is past its sequence runs no iteration and stores
+nothing. So the grid for smaller tiles is ``cdiv(grid[2] * BLOCK_M, smaller BLOCK_M)`` query blocks (at most one more
+than the wrapper would compute, which exits at once), and the results equal the larger tiles' up to the order of the
+online softmax's additions (not bitwise). Causal rows need ``BLOCK_M <= BLOCK_N`` (a row whose every key in a
+block is masked would turn the online softmax into NaN): halving every tile equal to the largest keeps the wrapper's
+``BLOCK_M == BLOCK_N``; down to 16 (``tl.dot``).
+
+What it does: the choice is inline, so the kernel is declared where the wrapper launches it
+(``smemguard.tiles_at_launch``: the module's ``_fwd_kernel`` gets a proxy that, inside a declared call, launches the
+tiles learnt for the shape class, query dtype and head size, with the grid above) and the wrapper
+``smemguard.rerun_on_overflow`` (also where the vision attention imported it by name). ``_fwd_kernel`` is the
+wrapper's only launch. Not applied in ``SMEMGUARD=observe``: it changes what runs.
+
+Checked against SGLang 0.5.23 (``sglang/kernels/ops/attention/prefill_attention.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ._declared_wrappers import DeclaredWrappers
+from ..versions import Supported
+from ..wrapper_tiles import tiles_at_launch
+
+TARGET_MODULE = "sglang.kernels.ops.attention.prefill_attention"
+WRAPPER = "context_attention_fwd"
+KERNEL = "_fwd_kernel"
+TARGET = f"{TARGET_MODULE}.{WRAPPER}"
+TARGET_MODULES = (TARGET_MODULE,)
+SUPPORTED = Supported("sglang", (0, 5), (0, 5), label="SGLang")
+OBSERVE_SAFE = False  # changes the tiles that run
+
+TILES = ("BLOCK_M", "BLOCK_N")
+_KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
+_SMALLEST = 16  # tl.dot needs M, N, K >= 16
+
+
+def _shape(args: tuple, kwargs: dict) -> dict:
+    """What the kernel's shared memory depends on besides its tiles: the query dtype and the head size."""
+    return {"dtype": args[0].dtype, "head_size": kwargs["Lk"]}
+
+
+def _grid(grid: tuple, launched: dict, lowered: dict) -> tuple:
+    """The wrapper's grid, ``(batch, heads, cdiv(max_input_len, BLOCK_M))``, for a smaller ``BLOCK_M``."""
+    batch, heads, blocks = grid
+    rows = blocks * launched["BLOCK_M"]  # at least max_input_len
+    return batch, heads, -(-rows // lowered["BLOCK_M"])
+
+
+def _check(module) -> None:
+    """Raise when the module is not laid out as the versions this was checked against."""
+    wrapper, kernel = getattr(module, WRAPPER, None), getattr(module, KERNEL, None)
+    if wrapper is None or not hasattr(kernel, "arg_names"):
+        raise RuntimeError(f"{TARGET_MODULE} has no {WRAPPER} or no Triton kernel {KERNEL}")
+    missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
+    if missing:
+        raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
+    if "BLOCK" not in inspect.unwrap(wrapper).__code__.co_varnames:
+        raise RuntimeError(f"{TARGET_MODULE}.{WRAPPER} no longer chooses BLOCK itself")
+
+
+def _declare(module, original):
+    return tiles_at_launch(original, tile=TILES, grid=_grid, shape=_shape, smallest=_SMALLEST)
+
+
+WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=KERNEL, declare=_declare, wrappers=(WRAPPER,),
+                           check=_check)
+applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched

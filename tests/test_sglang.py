@@ -1,0 +1,135 @@
+"""SGLang's own Triton attention wrappers under smemguard's SGLang packs (smemguard/patches/sglang_*.py), on the CPU
+harness compiled for sm_120 (RTX 5090, 101376 B), sm_89 (L4) and sm_75 (T4): the two field failures (ktransformers
+#1570, SGLang PR #27962) and their neighbours recover with smaller tiles and the grids SGLang would compute for
+them, and the next call chooses them at once.
+
+Needs SGLang 0.5.23 (``pip install --no-deps sglang==0.5.23`` and the pure-Python packages its kernels' imports
+need: CI stage "1b"). Launches on the harness execute nothing: SGLang's own tests compare the numbers on the GPU
+(benchmarks/field_suites.py, docs/BENCHMARKS.md). SGLang reads the device's capability once at import; the tests
+set it (``CUDA_CAPABILITY``, ``_is_cuda``) as that GPU's process would have."""
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from smemguard.patches import sglang_extend_attention, sglang_prefill_attention
+from smemguard.testing import fake_gpu
+
+from conftest import records
+
+extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention",
+                             reason="SGLang is not installed (CI stage '1b' installs it)")
+prefill = pytest.importorskip("sglang.kernels.ops.attention.prefill_attention",
+                              reason="SGLang is not installed (CI stage '1b' installs it)")
+
+pytestmark = pytest.mark.sglang
+
+BATCH, TOKENS, PREFIX, HEADS = 2, 64, 32, 16
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Set the compute capability SGLang's modules read at import, as on that GPU."""
+
+    def set_capability(major: int, minor: int) -> None:
+        for module in (extend, prefill):
+            monkeypatch.setattr(module, "_is_cuda", True)
+            monkeypatch.setattr(module, "CUDA_CAPABILITY", (major, minor), raising=False)
+
+    return set_capability
+
+
+def absorbed_mla_extend():
+    """Kimi K2's absorbed MLA shape (ktransformers #1570): Lq 576, Lv 512, one KV head, a prefix in the cache."""
+    dtype, tokens = torch.bfloat16, BATCH * TOKENS
+    q = torch.empty(tokens, HEADS, 576, dtype=dtype)
+    k, v = torch.empty(tokens, 1, 576, dtype=dtype), torch.empty(tokens, 1, 512, dtype=dtype)
+    out = torch.empty(tokens, HEADS, 512, dtype=dtype)
+    k_buffer = torch.empty(BATCH * (PREFIX + TOKENS), 1, 576, dtype=dtype)
+    v_buffer = torch.empty(BATCH * (PREFIX + TOKENS), 1, 512, dtype=dtype)
+    qo_indptr = torch.arange(BATCH + 1, dtype=torch.int32) * TOKENS
+    kv_indptr = torch.arange(BATCH + 1, dtype=torch.int32) * PREFIX
+    kv_indices = torch.arange(BATCH * PREFIX, dtype=torch.int64)
+    extend.extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True,
+                                None, TOKENS, 1.0, 1.0)
+
+
+def context_attention(dtype, head_size: int, tokens: int = TOKENS):
+    q = torch.empty(BATCH * tokens, HEADS, head_size, dtype=dtype)
+    prefill.context_attention_fwd(q, q, q, torch.empty_like(q), torch.arange(BATCH, dtype=torch.int32) * tokens,
+                                  torch.full((BATCH,), tokens, dtype=torch.int32), tokens)
+
+
+def test_kimi_k2_extend_attention_on_sm120_with_hopper_tiles_takes_a_smaller_key_tile(
+        install_guard, capability, incident_log, tmp_path, triton_cache):
+    """Before SGLang PR #14311, sm_120 took Hopper's tiles (its major 12 >= 9): BLOCK_M=32 BLOCK_N=64 need 106496 B
+    at one stage. SGLang 0.5.23's own sm_120 table answers 32x32, the tiles the pack finds too."""
+    capability(9, 0)
+    install_guard(cache_dir=tmp_path / "decisions")
+    with fake_gpu("RTX5090", cache_dir=triton_cache) as gpu:
+        absorbed_mla_extend()
+        absorbed_mla_extend()
+        assert [(launch.kernel, launch.grid) for launch in gpu.launches] == [("_fwd_kernel", (BATCH, HEADS, 2))] * 2, \
+            "one launch per call, the grid from BLOCK_M=32: the second call chose the tiles at once"
+        assert gpu.launches[0].shared <= 101376
+    tiles = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
+    assert len(tiles) == 1
+    assert (tiles[0]["config"], tiles[0]["final"], tiles[0]["required"]) == (
+        "BLOCK_M=32 BLOCK_N=64", "BLOCK_M=32 BLOCK_N=32", 106496)
+    assert tiles[0]["launched_as"] == "sglang.kernels.ops.attention.extend_attention:extend_attention_fwd"
+    assert tiles[0]["shape_class"] == {"Lq": 576, "Lv": 512}
+    assert extend._get_block_sizes_for_extend_attention(576, 512)[3:5] == (32, 64), \
+        "outside the wrapper (the scheduler's tile budget) SGLang's own answer"
+
+
+def test_sglangs_own_sm120_table_fits_and_nothing_is_changed(install_guard, capability, incident_log, triton_cache):
+    capability(12, 0)
+    install_guard()
+    with fake_gpu("RTX5090", cache_dir=triton_cache) as gpu:
+        absorbed_mla_extend()
+        assert len(gpu.launches) == 1
+    assert records(incident_log) == []
+
+
+@pytest.mark.parametrize(("gpu", "major_minor", "dtype", "head_size", "required", "block", "smaller"), [
+    # SGLang PR #27962 (open): fp32 on sm_120 needs 131072 B at BLOCK 128
+    ("RTX5090", (12, 0), torch.float32, 128, 131072, 128, 64),
+    ("L4", (8, 9), torch.float32, 256, 147456, 64, 32),
+    ("T4", (7, 5), torch.float16, 256, 131072, 64, 32),
+])
+def test_context_attention_takes_smaller_blocks_with_the_grid_sglang_computes_for_them(
+        install_guard, capability, incident_log, triton_cache, gpu, major_minor, dtype, head_size, required, block,
+        smaller):
+    """The grid: cdiv(the wrapper's blocks x its BLOCK, the smaller BLOCK), every row covered (at most one block
+    more than cdiv(max_input_len, smaller), which stores nothing)."""
+    capability(*major_minor)
+    install_guard()
+    lengths = (TOKENS, 100)  # two lengths: one shape class, a grid each
+    with fake_gpu(gpu, cache_dir=triton_cache) as device:
+        for tokens in lengths:
+            context_attention(dtype, head_size, tokens)
+        assert [launch.grid for launch in device.launches] == [
+            (BATCH, HEADS, -(-(-(-tokens // block) * block) // smaller)) for tokens in lengths]
+        assert all(launch.shared <= device.max_shared for launch in device.launches)
+    [tiles] = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
+    assert (tiles["required"], tiles["final"]) == (required, f"BLOCK_M={smaller} BLOCK_N={smaller}")
+    assert tiles["shape_class"] == {"dtype": str(dtype), "head_size": head_size}
+
+
+def test_observe_mode_and_uninstall_leave_sglang_as_it_is(install_guard, capability, triton_cache):
+    import smemguard
+
+    capability(9, 0)
+    own = (extend._get_block_sizes_for_extend_attention, extend.extend_attention_fwd, prefill._fwd_kernel,
+           prefill.context_attention_fwd)
+    install_guard(mode="observe")
+    assert not sglang_extend_attention.is_patched() and not sglang_prefill_attention.is_patched()
+    with fake_gpu("RTX5090", cache_dir=triton_cache):
+        with pytest.raises(OutOfResources):
+            absorbed_mla_extend()
+    smemguard.uninstall()
+    install_guard()
+    assert sglang_extend_attention.is_patched() and sglang_prefill_attention.is_patched()
+    smemguard.uninstall()
+    assert (extend._get_block_sizes_for_extend_attention, extend.extend_attention_fwd, prefill._fwd_kernel,
+            prefill.context_attention_fwd) == own
