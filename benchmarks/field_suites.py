@@ -1,6 +1,7 @@
 """Other projects' released test suites on a GPU under emulated small-GPU limits, three ways.
 
-Runs chosen test files of FlagGems 5.0.2, fla-core, Liger-Kernel 0.8.5 and GemLite 0.6.0.post2 with pytest, and
+Runs chosen test files of FlagGems 5.0.2, fla-core, Liger-Kernel 0.8.5 and GemLite 0.6.0.post2 with pytest (and,
+when asked for with ``--suites``, SGLang's tests of its Triton attention kernels against SGLang 0.5.23), and
 compares, per suite and limit (``SMEMGUARD_MAX_SHARED``):
 
 - ``plain``: no smemguard and no emulation: which tests pass at all on this GPU. The limit is
@@ -88,6 +89,8 @@ class Suite:
     select: str | None = None  # pytest -k expression
     options: tuple[str, ...] = ()  # more pytest options
     source: str = ""  # where the test files came from
+    pythonpath: tuple[str, ...] = ()  # more directories under --field, on PYTHONPATH right after root
+    default: bool = True  # run when --suites is not given
 
 
 # Chosen for a whole matrix (plain once, observe and on per limit) of about 7 minutes on an H200 with
@@ -124,6 +127,18 @@ SUITES = {suite.name: suite for suite in (
     Suite("gemlite", "gemlite", ("tests/test_int.py", "tests/test_mxfp.py"),
           options=("--continue-on-collection-errors",),
           source="dropbox/gemlite tests of the commit in .field/gemlite/COMMIT, against the gemlite 0.6.0.post2 sdist"),
+    # SGLang's own tests of its Triton attention kernels: extend (two-stage and unified, custom mask, sliding
+    # window, compact grid), decode (normal, grouped, MLA 576/512) and prefill (context_attention_fwd), 13 tests
+    # (2 of them AMD-only, skipped). Run against 0.5.23's own files: the root holds the part of the sglang
+    # package the tests import (sglang/), stand-ins for four packages that cannot travel (stubs/, put last on
+    # sys.path by the root's conftest.py, which also bridges two names the stored tests import from their
+    # older places) and, in site/, the pure-Python and cp312 dependencies, installed there from wheels/ on
+    # the GPU machine (benchmarks/field_suites.md). Not in the default --suites. Its plain run: 1 to 2
+    # minutes from a cold Triton cache with 4 workers (estimate, not measured).
+    Suite("sglang-attention", "sglang", ("test/registered/attention/test_triton_attention_kernels.py",),
+          pythonpath=("sglang/site",), default=False,
+          source="sgl-project/sglang test/registered/attention, the stored version named in .field/sglang/COMMIT, "
+                 "against sglang 0.5.23's files"),
 )}
 
 PROBE_PLUGIN = '''\
@@ -382,7 +397,7 @@ class Harness:
 
     def environ(self, run: Run, run_dir: Path) -> dict:
         env = {key: value for key, value in os.environ.items() if not key.startswith("SMEMGUARD")}
-        path = [str(self.field / run.suite.root)]
+        path = [str(self.field / run.suite.root)] + [str(self.field / extra) for extra in run.suite.pythonpath]
         if run.mode != "plain":
             path[:0] = [str(BOOTSTRAP), str(self.hooks), str(self.smemguard)]
             env.update({"SMEMGUARD": run.mode, "SMEMGUARD_MAX_SHARED": run.limit,
@@ -538,9 +553,11 @@ def _selection(text: str) -> tuple[str, str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Run FlagGems', fla-core's, Liger-Kernel's and GemLite's own tests on the GPU under emulated "
-                    "small-GPU limits: plain (no smemguard, no emulation), SMEMGUARD=observe and SMEMGUARD=on.",
-        epilog="Test sources go under --field (flaggems/, fla/, liger/, gemlite/), each a copy of the project's files "
+        description="Run FlagGems', fla-core's, Liger-Kernel's, GemLite's (and, with --suites, SGLang's) own tests "
+                    "on the GPU under emulated small-GPU limits: plain (no smemguard, no emulation), "
+                    "SMEMGUARD=observe and SMEMGUARD=on.",
+        epilog="Test sources go under --field (flaggems/, fla/, liger/, gemlite/, sglang/), each a copy of the "
+               "project's files "
                "(see benchmarks/field_suites.md). Example: python benchmarks/field_suites.py --smemguard "
                ".field/smemguard-base --limits T4,L4 --workers 4 --jobs 4 --out /tmp/field")
     parser.add_argument("--smemguard", type=Path, default=REPO,
@@ -550,8 +567,10 @@ def parse_args(argv=None):
                         help="SMEMGUARD_MAX_SHARED values, comma-separated: GPU names or bytes (default T4,L4)")
     parser.add_argument("--modes", type=lambda text: _list(text, MODES), default=list(MODES),
                         help="comma-separated, of plain,observe,on (default all)")
-    parser.add_argument("--suites", type=lambda text: _list(text, SUITES), default=list(SUITES),
-                        help=f"comma-separated, of {','.join(SUITES)} (default all)")
+    parser.add_argument("--suites", type=lambda text: _list(text, SUITES),
+                        default=[name for name, suite in SUITES.items() if suite.default],
+                        help=f"comma-separated, of {','.join(SUITES)} (default: "
+                             f"{','.join(name for name, suite in SUITES.items() if suite.default)})")
     parser.add_argument("--select", type=_selection, action="append", default=[], metavar="SUITE=EXPR",
                         help="replace a suite's pytest -k expression (repeatable; empty EXPR: every test)")
     parser.add_argument("--out", type=Path, help="directory for field_suites.json (required unless --report)")
@@ -667,9 +686,12 @@ def main(argv=None) -> int:
         check_limits(args.limits, smemguard)
     missing = [f"{name}/{path}" for name in args.suites for path in SUITES[name].paths
                if not (field / SUITES[name].root / path).is_file()]
+    missing += [f"{extra}/" for name in args.suites for extra in SUITES[name].pythonpath
+                if not (field / extra).is_dir()]
     if missing:
         raise UsageError(f"--field: {field} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
-                         "benchmarks/field_suites.md says how to fetch the test sources")
+                         "benchmarks/field_suites.md says how to fetch the test sources (and install a suite's "
+                         "wheels)")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
@@ -684,6 +706,7 @@ def main(argv=None) -> int:
                                  "select": args.select.get(name, SUITES[name].select),
                                  "options": list(SUITES[name].options),
                                  "source": SUITES[name].source,
+                                 "pythonpath": list(SUITES[name].pythonpath),
                                  "commit": _read(field / SUITES[name].root / "COMMIT")} for name in args.suites},
                "options": {"workers": args.workers, "jobs": args.jobs, "test_timeout": args.test_timeout,
                            "run_timeout": args.run_timeout, "budget": args.budget,
