@@ -5,6 +5,11 @@
 
 ``cublas_mm`` stands in for FlagGems' Triton matmuls (see :mod:`smemguard.patches.flaggems`).
 
+``sglang_extend_attention`` and ``sglang_context_attention`` compute SGLang's Triton extend and prefill attention
+(``extend_attention_fwd``, ``context_attention_fwd``) in torch, for the calls where not even the smallest tiles fit
+(see :mod:`smemguard.patches.sglang_extend_attention`); each declines (``NotImplemented``) the options it does not
+compute.
+
 ``paged_mqa_logits_metadata`` stands in for DeepGEMM's ``get_paged_mqa_logits_metadata``,
 which vLLM calls (through ``vllm.utils.deep_gemm``) on every decode step of the DeepSeek
 sparse-attention indexer to split the paged-MQA-logits work across SMs. Why it needs a
@@ -193,3 +198,72 @@ def cublas_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.ops.aten.mm.dtype_out(a, b, out.dtype, out=out)
     else:
         torch.mm(a, b, out=out)
+
+
+#: Scores held at once by the attention fallbacks (fp32 elements: 256 MiB); longer sequences go by query rows.
+ATTENTION_SCORES = 1 << 26
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, logit_cap: float,
+            sees: int | None) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` of one sequence in float32: q ``(m, H, D)``, k ``(n, Hkv, D)``, v ``(n, Hkv, Dv)``
+    with ``H`` a multiple of ``Hkv`` (grouped queries). Query row ``i`` sees key ``j`` iff ``j <= i + sees`` (None:
+    every key); ``logit_cap > 0`` caps the scores with ``tanh`` as SGLang's kernels do."""
+    rows, heads = q.shape[0], q.shape[1]
+    group = heads // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, n, D)
+    values = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, n, Dv)
+    out = q.new_empty((rows, heads, v.shape[-1]), dtype=torch.float32)
+    step = max(1, ATTENTION_SCORES // max(1, heads * keys.shape[1]))
+    for start in range(0, rows, step):
+        chunk = q[start:start + step].float().transpose(0, 1)  # (H, r, D)
+        scores = torch.matmul(chunk, keys.transpose(1, 2)) * scale  # (H, r, n)
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        if sees is not None:
+            row = torch.arange(start, start + chunk.shape[1], device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(keys.shape[1], device=q.device)[None, :] > row + sees,
+                                        float("-inf"))
+        out[start:start + step] = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(0, 1)
+    return out
+
+
+def sglang_extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                            kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
+                            sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1,
+                            sinks=None, window_kv_offsets=None, xai_temperature_len=-1, lse_extend=None,
+                            skip_prefix=False, skip_extend=False, page_size=1, score_mod=None, aux_tensors=None,
+                            extend_seq_lens_cpu=None, identity_kv_indices=False, **newer):
+    """SGLang 0.5's ``extend_attention_fwd`` in torch: for each sequence, its extend queries attend to its prefix
+    (``k_buffer``/``v_buffer`` rows ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, scaled by ``k_scale``/``v_scale``)
+    and to its own extend keys (causally when ``is_causal``); written into ``o_extend``. Declines a custom mask, a
+    sliding window, sinks, XAI temperature, the LSE output, skipped parts, paged buffers, a score mod and any
+    argument of a newer release."""
+    if (newer or custom_mask is not None or sliding_window_size > 0 or sinks is not None or xai_temperature_len > 0
+            or lse_extend is not None or skip_prefix or skip_extend or page_size != 1 or score_mod is not None
+            or q_extend.shape[-1] != k_extend.shape[-1]):
+        return NotImplemented
+    scale = sm_scale or 1.0 / q_extend.shape[-1] ** 0.5
+    queries, prefixes = qo_indptr.tolist(), kv_indptr.tolist()
+    for sequence in range(len(queries) - 1):
+        rows = slice(queries[sequence], queries[sequence + 1])
+        prefix = kv_indices[prefixes[sequence]:prefixes[sequence + 1]].long()
+        k = torch.cat([k_buffer[prefix].float() * k_scale, k_extend[rows].float()])
+        v = torch.cat([v_buffer[prefix].float() * v_scale, v_extend[rows].float()])
+        o_extend[rows] = _attend(q_extend[rows], k, v, scale=scale, logit_cap=logit_cap,
+                                 sees=len(prefix) if is_causal else None).to(o_extend.dtype)
+    return None
+
+
+def sglang_context_attention(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, sm_scale=None,
+                             **newer):
+    """SGLang 0.5's ``context_attention_fwd`` (prefill without a prefix) in torch: each sequence's rows
+    ``b_start_loc[i]`` onwards, ``b_seq_len[i]`` of them, attend to each other (causally when ``is_causal``)."""
+    if newer:
+        return NotImplemented
+    scale = sm_scale or 1.0 / q.shape[-1] ** 0.5
+    for start, length in zip(b_start_loc.tolist(), b_seq_len.tolist()):
+        rows = slice(start, start + length)
+        o[rows] = _attend(q[rows], k[rows], v[rows], scale=scale, logit_cap=0.0,
+                          sees=0 if is_causal else None).to(o.dtype)
+    return None

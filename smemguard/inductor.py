@@ -300,7 +300,7 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
     name = kernel_name(autotuner)
     device = _device(autotuner)
     config = failing[0].config if failing else None
-    reason = None if chosen else _why_not(autotuner, settings)
+    reason = None if chosen else _why_not(autotuner, name, settings)
     incident = incidents.Incident(
         kernel=name, launched_as="CachingAutotuner", phase="compile", action=action, final=final,
         resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
@@ -318,10 +318,17 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
                    len(trial.attempts), record["recovery_ms"])
 
 
-def _why_not(autotuner, settings) -> str:
+def _why_not(autotuner, name: str, settings) -> str:
     if settings.observe_only:
         return "observed only (SMEMGUARD=observe)"
     kind = getattr(autotuner.heuristic_type, "name", "")
+    if kind == "TEMPLATE" and "flex_attention" in name:
+        # Not moved to eager by smemguard: the forward ran already, and eager's memory is quadratic
+        # (docs/BENCHMARKS.md, "FlexAttention with head size 256 in fp32 under a T4").
+        return ("no stage count of its configs fits, at the tiles smemguard's FlexAttention configs offered before "
+                "rendering; to run it here, leave this attention out of the compiled graph (torch.compiler.disable: "
+                "torch's eager FlexAttention, exact, its memory quadratic in the sequence length) or run it in "
+                "fp16/bf16")
     if kind == "TEMPLATE":
         return ("no stage count of its configs fits, and a template's tiles are in its source (smaller tiles must be "
                 "chosen before Inductor renders it)")

@@ -46,6 +46,7 @@ _cases_guard = threading.Lock()
 class _Case:
     lock: threading.RLock = field(default_factory=threading.RLock)
     decision: Decision | None = None
+    recorded: bool = True  # False: re-raised for a declared wrapper that chose again and recorded the outcome
 
 
 def _case_for(launch: Launch, failing) -> _Case:
@@ -258,6 +259,24 @@ def _recover(launched, launch: Launch | None, failing, error, settings, steps: S
                 record = functools.partial(incidents.record_launch, launch, launched, failing, error,
                                            started=started, log_path=settings.log_path, described=described)
                 return functools.partial(_run_fallback, decision, named, error, record)
+            if decision.action == RERAISED and _chosen_again(launch, decision, steps):
+                case.decision, case.recorded = decision, False
+                return functools.partial(_reraise, error)
             case.decision = incidents.record_launch(launch, launched, failing, error, decision, started,
                                                     settings.log_path, described)
+        elif not case.recorded:
+            if _chosen_again(launch, case.decision, steps):
+                return functools.partial(_reraise, error)
+            case.decision, case.recorded = incidents.record_launch(launch, launched, failing, error, case.decision,
+                                                                   started, settings.log_path), True
     return _plan(case.decision, launch, failing, error, steps)
+
+
+def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:
+    """Whether a wrapper declared with :mod:`smemguard.wrapper_tiles` chose these tiles in the call running on this
+    thread: it then runs again with smaller ones and records the outcome (one record per call, not two)."""
+    from . import wrapper_tiles  # imported by the declaring library, never on a healthy launch's path
+
+    needed = [attempt.required for attempt in decision.attempts if attempt.required]
+    return steps.run("ask the declared wrapper", wrapper_tiles.chooses_again, launch.jit, launch.named_args(),
+                     min(needed, default=None), otherwise=lambda: False)

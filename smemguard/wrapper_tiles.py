@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -43,14 +44,13 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import decisions, incidents, introspect, runtime
+from . import decisions, introspect, runtime, wrapper_outcomes
 from .decision import TILES_REDUCED
 from .internal import StepFailed, Steps
 from .launch import Attempt
 
 log = logging.getLogger(__name__)
 
-SHARED = "shared memory"
 TABLE = "tiles"
 
 
@@ -60,6 +60,7 @@ class _Call:
 
     wrapper: str
     chosen: list = dataclasses.field(default_factory=list)  # [(declaration, shape class, tiles)]
+    least: int | None = None  # the least bytes the launch guard's candidates needed at the last failed launch
 
 
 _UNKNOWN = object()
@@ -135,6 +136,7 @@ class _Declaration:
         self._lock = threading.Lock()
         self._known: dict[tuple, tuple | None] = {}  # (wrapper, device, limit, shape class) -> tiles; None: none
         self._limits: dict[int, int] = {}  # device -> the limit enforced there
+        self._exhausted: dict[tuple, str] = {}  # key -> why not even the smallest tiles fit there (recorded once)
         _declarations.add(self)
 
     def lowered(self, wrapper: str, shape: tuple, answered: tuple) -> tuple:
@@ -193,10 +195,20 @@ class _Declaration:
         if tiles is not None:
             _tiles_in_use = True
 
+    def exhaust(self, wrapper: str, shape: tuple, reason: str) -> None:
+        """Not even the smallest tiles fit for the shape class: later calls go to the outcome at once."""
+        with self._lock:
+            self._known[self._key(wrapper, shape)] = None
+            self._exhausted[self._key(wrapper, shape)] = reason
+
+    def exhausted(self, wrapper: str, shape: tuple) -> str | None:
+        return self._exhausted.get(self._key(wrapper, shape))
+
     def forget_all(self) -> None:
         with self._lock:
             self._known.clear()
             self._limits.clear()
+            self._exhausted.clear()
 
 
 def _shape_class(arguments) -> tuple | None:
@@ -331,17 +343,21 @@ def _in_use(settings) -> bool:
 def _overflow(error: BaseException) -> bool:
     from triton.runtime.errors import OutOfResources
 
-    return isinstance(error, OutOfResources) and error.name == SHARED
+    return isinstance(error, OutOfResources) and error.name == wrapper_outcomes.SHARED
 
 
-def rerun_on_overflow(*choices) -> Callable[[Callable], Callable]:
+def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> Callable[[Callable], Callable]:
     """Declare the decorated wrapper safe to run again from its start when the first launch of a kernel whose tiles
     one of ``choices`` (``smemguard.tile_choice`` functions, ``smemguard.tiles_at_launch`` kernels) chose cannot
-    fit (the contract: this module's docstring)."""
+    fit (the contract: this module's docstring). ``fallback``: called with the wrapper's own arguments when not
+    even the smallest tiles fit, it computes the wrapper's result another way (torch), or returns
+    ``NotImplemented`` for arguments it does not cover (the caller then gets its own error)."""
     declarations = tuple(getattr(choice, "_self_tiles", choice) for choice in choices)
     if not declarations or not all(isinstance(declaration, _Declaration) for declaration in declarations):
         raise TypeError("rerun_on_overflow takes the smemguard.tile_choice functions or smemguard.tiles_at_launch "
                         "kernels the wrapper chooses tiles with")
+    if fallback is not None and not callable(fallback):
+        raise TypeError(f"fallback must be callable, not {type(fallback).__name__}")
 
     def decorate(wrapper: Callable) -> Callable:
         name = introspect.callable_name(wrapper)
@@ -352,7 +368,7 @@ def rerun_on_overflow(*choices) -> Callable[[Callable], Callable]:
             if settings is None or settings.observe_only:
                 return wrapper(*args, **kwargs)
             if _tiles_in_use is not False and _in_use(settings):
-                return _run(wrapper, name, declarations, settings, args, kwargs)
+                return _run(wrapper, name, declarations, fallback, settings, args, kwargs)
             try:
                 return wrapper(*args, **kwargs)
             except Exception as error:
@@ -360,7 +376,7 @@ def rerun_on_overflow(*choices) -> Callable[[Callable], Callable]:
                     raise
                 failure = error
             # Outside the except block: the caller's error, if it stands, is raised unchained.
-            return _run(wrapper, name, declarations, settings, args, kwargs, failure)
+            return _run(wrapper, name, declarations, fallback, settings, args, kwargs, failure)
 
         return rerunnable
 
@@ -382,7 +398,7 @@ def _recorded_call(wrapper: Callable, name: str, args: tuple, kwargs: dict) -> t
         _running.call = outer
 
 
-def _run(wrapper: Callable, name: str, declarations: tuple, settings, args: tuple, kwargs: dict,
+def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, args: tuple, kwargs: dict,
          unrecorded: BaseException | None = None):
     """The call, run again with smaller tiles while a declaration's kernel is the launch that does not fit.
     ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tiles it chose
@@ -395,12 +411,19 @@ def _run(wrapper: Callable, name: str, declarations: tuple, settings, args: tupl
     if step is None:
         raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
     declaration, shape, tiles, kernel = step
+    known = declaration.exhausted(name, shape)
+    if known is not None:  # decided and recorded before in this process
+        return wrapper_outcomes.nothing_fits(known, fallback, original, args, kwargs)
     while True:
         failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
         smaller = declaration.smaller(tiles)
-        if smaller is None:  # nothing smaller may run: the library's own tiles again, its error
-            steps.run("forget the tiles", declaration.learn, name, shape, None, otherwise=lambda: None)
-            raise original
+        if smaller is None:  # nothing smaller may run: the wrapper's fallback, or its own tiles again and its error
+            outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed,
+                                               call.least, started, settings, steps)
+            reason = steps.run("explain the failure", outcome.reason, fallback, error, otherwise=lambda: None)
+            if reason is not None:
+                steps.run("remember the failure", declaration.exhaust, name, shape, reason, otherwise=lambda: None)
+            return outcome.decided(reason, fallback, args, kwargs)
         try:
             steps.run("learn the tiles", declaration.learn, name, shape, smaller)
         except StepFailed:
@@ -412,7 +435,9 @@ def _run(wrapper: Callable, name: str, declarations: tuple, settings, args: tupl
         if step is None or step[:2] != (declaration, shape):
             raise error  # a later launch failed after the kernel ran: the call is not run again
         tiles = step[2]
-    _report(name, declaration, kernel, shape, original, failed, smaller, started, settings, steps)
+    wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started, settings,
+                             steps).reduced(smaller)
+    _remember(name, declaration, shape, failed[0].config, smaller, original, settings, steps)
     return result
 
 
@@ -420,10 +445,43 @@ def _failed_choice(declarations: tuple, call: _Call, error) -> tuple | None:
     """(declaration, shape class, tiles, kernel) when ``error`` came from a launch of a declared kernel with the
     tiles a declaration answered in ``call`` (each passed by name); else None."""
     kernel, launched = _failed_launch(error)
-    return next(((declaration, shape, tiles, kernel) for declaration, shape, tiles in call.chosen
-                 if declaration in declarations and any(kernel is jit for jit in declaration.jits)
+    chosen = _chosen(call, kernel, launched, declarations)
+    return None if chosen is None else (*chosen, kernel)
+
+
+def _chosen(call: _Call, jit, launched: dict, declarations: tuple | None = None) -> tuple | None:
+    """(declaration, shape class, tiles) answered in ``call`` for this launch of ``jit`` with the ``launched``
+    constexprs, by one of ``declarations`` (None: any); else None."""
+    return next(((declaration, shape, tiles) for declaration, shape, tiles in call.chosen
+                 if (declarations is None or declaration in declarations)
+                 and any(jit is declared for declared in declaration.jits)
                  and all(launched.get(name, _UNKNOWN) == tile for name, tile in zip(declaration.tiles, tiles))),
                 None)
+
+
+def chooses_again(jit, launched: dict, least: int | None) -> bool:
+    """Whether a declared wrapper running on this thread chose the tiles of this launch of ``jit`` that no stage
+    count fits (the launch guard asks): it then chooses again and records the outcome, and the guard re-raises
+    with no record of its own. ``least``: the least bytes the guard's candidates needed, for that record."""
+    call = _running.call
+    if call is None:
+        return _first_call_on_stack(jit)
+    if _chosen(call, jit, launched) is None:
+        return False
+    call.least = least
+    return True
+
+
+def _first_call_on_stack(jit) -> bool:
+    """A declared wrapper's call made without bookkeeping (nothing learnt yet: a healthy call costs a ``try``) is
+    on this thread's stack, declared for ``jit``: it runs again with bookkeeping, which checks the tiles."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "rerunnable" and frame.f_code.co_filename == __file__:
+            declarations = frame.f_locals.get("declarations", ())
+            return any(jit is declared for declaration in declarations for declared in declaration.jits)
+        frame = frame.f_back
+    return False
 
 
 def _failed_launch(error) -> tuple[Any, dict]:
@@ -452,24 +510,13 @@ def _stored(declaration: _Declaration, wrapper: str, shape: tuple) -> tuple | No
     return declaration.from_store(entry["value"]) if entry is not None else None
 
 
-def _report(wrapper: str, declaration: _Declaration, jit, shape: tuple, error, failed: list, final: tuple,
-            started: float, settings, steps: Steps) -> None:
-    device = runtime.current_device()
-    chosen = declaration.label(final)
-    kernel = introspect.kernel_name(jit)
-    incident = incidents.Incident(
-        kernel=kernel, launched_as=wrapper, phase="launch", action=TILES_REDUCED, final=chosen, resource=SHARED,
-        required=error.required, limit_hit=error.limit, started=started, device=device,
-        internal_steps=steps.failed, compiles=len(failed),
-        attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
-        extras={"shape_class": dict(shape), "config": failed[0].config, "choice": declaration.name})
-    incidents.report(incident, settings.log_path, (wrapper, declaration.name, shape, device),
-                     "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
-                     kernel, SHARED, error.required, error.limit, failed[0].config,
-                     " ".join(f"{name}={value}" for name, value in shape), wrapper, chosen)
+def _remember(wrapper: str, declaration: _Declaration, shape: tuple, launched: str, final: tuple, error, settings,
+              steps: Steps) -> None:
+    """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
     store = steps.run("open the decision cache", decisions.store, settings.cache_dir, otherwise=lambda: None)
     if store is not None:
-        case = declaration.case(wrapper, shape)
+        case, device = declaration.case(wrapper, shape), runtime.current_device()
         steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
-            case, action=TILES_REDUCED, final=chosen, from_config=failed[0].config, gpu=decisions.gpu_label(device),
-            resource=SHARED, required=error.required, value=declaration.stored(final)), otherwise=lambda: None)
+            case, action=TILES_REDUCED, final=declaration.label(final), from_config=launched,
+            gpu=decisions.gpu_label(device), resource=wrapper_outcomes.SHARED, required=error.required,
+            value=declaration.stored(final)), otherwise=lambda: None)

@@ -384,3 +384,20 @@ def test_flex_tiles_are_halved_under_another_tools_layer_that_hides_the_signatur
     assert (backward.block_m1, backward.block_n1, backward.block_m2, backward.block_n2) == (32, 32, 32, 32)
     [record] = records(incident_log)
     assert record["action"] == "tiles_reduced" and record["internal_errors"] == 0
+
+
+def test_a_flex_template_that_fits_nowhere_says_how_to_run_it_here():
+    """FlexAttention D=256 fp32's backward under a T4 (66560 B at 16x16, one stage; docs/BENCHMARKS.md): the reason
+    names the user's two ways (smemguard moves nothing to eager: the forward ran already, eager's memory is
+    quadratic); another template keeps the generic reason."""
+    from types import SimpleNamespace
+
+    from smemguard import inductor
+    from smemguard.settings import Settings
+
+    template = SimpleNamespace(heuristic_type=SimpleNamespace(name="TEMPLATE"))
+    flex = inductor._why_not(template, "triton_tem_fused_flex_attention_backward_1", Settings())
+    assert "torch.compiler.disable" in flex and "fp16/bf16" in flex and "quadratic" in flex
+    assert "torch.compiler.disable" not in inductor._why_not(template, "triton_tem_fused_mm_0", Settings())
+    assert inductor._why_not(template, "triton_tem_fused_flex_attention_0",
+                             Settings(mode="observe")) == "observed only (SMEMGUARD=observe)"

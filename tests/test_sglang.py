@@ -72,8 +72,8 @@ def test_kimi_k2_extend_attention_on_sm120_with_hopper_tiles_takes_a_smaller_key
         assert [(launch.kernel, launch.grid) for launch in gpu.launches] == [("_fwd_kernel", (BATCH, HEADS, 2))] * 2, \
             "one launch per call, the grid from BLOCK_M=32: the second call chose the tiles at once"
         assert gpu.launches[0].shared <= 101376
-    tiles = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
-    assert len(tiles) == 1
+    tiles = records(incident_log)
+    assert [record["action"] for record in tiles] == ["tiles_reduced"], "one record: the wrapper's outcome"
     assert (tiles[0]["config"], tiles[0]["final"], tiles[0]["required"]) == (
         "BLOCK_M=32 BLOCK_N=64", "BLOCK_M=32 BLOCK_N=32", 106496)
     assert tiles[0]["launched_as"] == "sglang.kernels.ops.attention.extend_attention:extend_attention_fwd"
@@ -111,9 +111,109 @@ def test_context_attention_takes_smaller_blocks_with_the_grid_sglang_computes_fo
         assert [launch.grid for launch in device.launches] == [
             (BATCH, HEADS, -(-(-(-tokens // block) * block) // smaller)) for tokens in lengths]
         assert all(launch.shared <= device.max_shared for launch in device.launches)
-    [tiles] = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
+    [tiles] = records(incident_log)  # one record: the wrapper's outcome, none of the launch guard's
     assert (tiles["required"], tiles["final"]) == (required, f"BLOCK_M={smaller} BLOCK_N={smaller}")
     assert tiles["shape_class"] == {"dtype": str(dtype), "head_size": head_size}
+
+
+def mla_extend_inputs(dtype, device="cpu", seed=0):
+    """The absorbed MLA shape with values: two sequences, a prefix in the cache (scattered slots) and extend rows."""
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def values(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    tokens, slots = BATCH * TOKENS, BATCH * (PREFIX + TOKENS)
+    q, k, v = values(tokens, HEADS, 576), values(tokens, 1, 576), values(tokens, 1, 512)
+    k_buffer, v_buffer = values(slots, 1, 576), values(slots, 1, 512)
+    kv_indices = torch.randperm(slots, generator=generator, device=device)[:BATCH * PREFIX]
+    qo_indptr = torch.arange(BATCH + 1, dtype=torch.int32, device=device) * TOKENS
+    kv_indptr = torch.arange(BATCH + 1, dtype=torch.int32, device=device) * PREFIX
+    return q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices
+
+
+def reference_extend(q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices):
+    """What extend attention computes, in float64 with torch's SDPA and an explicit mask (prefix all visible, the
+    extend part causal)."""
+    out = []
+    for sequence in range(BATCH):
+        rows = slice(int(qo_indptr[sequence]), int(qo_indptr[sequence + 1]))
+        prefix = kv_indices[int(kv_indptr[sequence]):int(kv_indptr[sequence + 1])]
+        keys = torch.cat([k_buffer[prefix], k[rows]]).double().transpose(0, 1)
+        values = torch.cat([v_buffer[prefix], v[rows]]).double().transpose(0, 1)
+        visible = torch.ones(TOKENS, PREFIX + TOKENS, dtype=torch.bool, device=q.device)
+        visible[:, PREFIX:] = torch.ones(TOKENS, TOKENS, dtype=torch.bool, device=q.device).tril()
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[rows].double().transpose(0, 1), keys.expand(HEADS, -1, -1), values.expand(HEADS, -1, -1),
+            attn_mask=visible, scale=576 ** -0.5).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_where_not_even_16x16_fits_extend_attention_runs_in_torch(install_guard, capability, incident_log,
+                                                                 triton_cache):
+    """The absorbed MLA shape in fp16 on a T4 (sm_75, 65536 B): 69632 B even at BLOCK_M=BLOCK_N=16, one stage.
+    The pack's torch fallback computes it (run for real here: it is torch), within SGLang's own test tolerance of an
+    fp64 reference; a call with an option the fallback does not compute gets the caller's error, with the note."""
+    capability(7, 5)
+    install_guard()
+    inputs = mla_extend_inputs(torch.float16)
+    q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = inputs
+    out = torch.zeros(BATCH * TOKENS, HEADS, 512, dtype=torch.float16)
+    with fake_gpu("T4", cache_dir=triton_cache) as gpu:
+        extend.extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True,
+                                    None, TOKENS, 1.0, 1.0)
+        assert gpu.launches == [], "the kernel never ran: nothing was half-written"
+        with pytest.raises(OutOfResources) as caught:  # attention sinks: not computed by the fallback
+            extend.extend_attention_fwd(q, k, v, torch.empty_like(out), k_buffer, v_buffer, qo_indptr, kv_indptr,
+                                        kv_indices, None, True, None, TOKENS, 1.0, 1.0, sinks=torch.zeros(HEADS))
+    torch.testing.assert_close(out.double(), reference_extend(*inputs), rtol=1e-2, atol=1e-3)
+    [ran] = records(incident_log)  # once per shape class: the second call went to the outcome at once
+    assert (ran["action"], ran["final"], ran["launched_as"]) == (
+        "fallback", "smemguard.fallbacks:sglang_extend_attention",
+        "sglang.kernels.ops.attention.extend_attention:extend_attention_fwd")
+    assert ran["attempts"][-1]["required"] == 69632 and "BLOCK_M=16 BLOCK_N=16" in ran["reason"]
+    [note] = [note for note in caught.value.__notes__ if note.startswith("smemguard:")]
+    assert "extend_attention.py:" in note and "BLOCK_M=16 BLOCK_N=16, the smallest declared, needs 69632 B" in note
+    assert note.endswith("its fallback smemguard.fallbacks:sglang_extend_attention does not cover these arguments")
+
+
+def test_the_context_attention_fallback_matches_sdpa():
+    """The prefill fallback, called directly: two sequences of different lengths, causal and not, grouped heads."""
+    from smemguard import fallbacks
+
+    torch.manual_seed(0)
+    lengths, heads, kv_heads, size = (40, 24), 8, 2, 64
+    q = torch.randn(sum(lengths), heads, size)
+    k, v = torch.randn(sum(lengths), kv_heads, size), torch.randn(sum(lengths), kv_heads, size)
+    starts = torch.tensor([0, lengths[0]], dtype=torch.int32)
+    for causal in (True, False):
+        out = torch.empty_like(q)
+        assert fallbacks.sglang_context_attention(q, k, v, out, starts, torch.tensor(lengths), max(lengths),
+                                                  is_causal=causal) is None
+        for start, length in zip(starts.tolist(), lengths):
+            rows = slice(start, start + length)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k[rows].transpose(0, 1).repeat_interleave(4, 0),
+                v[rows].transpose(0, 1).repeat_interleave(4, 0), is_causal=causal).transpose(0, 1)
+            torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
+    assert fallbacks.sglang_context_attention(q, k, v, out, starts, torch.tensor(lengths), 40,
+                                              newer_option=1) is NotImplemented
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: SGLang's own kernel is the reference")
+def test_on_a_gpu_the_extend_fallback_matches_sglangs_kernel():
+    from smemguard import fallbacks
+
+    for dtype in (torch.float16, torch.bfloat16):
+        inputs = mla_extend_inputs(dtype, device="cuda")
+        q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = inputs
+        kernel, torch_path = (torch.empty(BATCH * TOKENS, HEADS, 512, dtype=dtype, device="cuda") for _ in range(2))
+        arguments = (k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True, None, TOKENS, 1.0, 1.0)
+        extend.extend_attention_fwd(q, k, v, kernel, *arguments)
+        fallbacks.sglang_extend_attention(q, k, v, torch_path, *arguments)
+        torch.testing.assert_close(torch_path, kernel, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(torch_path.double(), reference_extend(*inputs), rtol=1e-2, atol=1e-3)
 
 
 def test_observe_mode_and_uninstall_leave_sglang_as_it_is(install_guard, capability, triton_cache):

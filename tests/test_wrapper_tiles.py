@@ -3,6 +3,7 @@
 launch that cannot fit at any stage count is run again with a halved tile, remembered in the process and across
 processes, and every rule of the contract holds. A wrapper of our own: neither SGLang's nor vLLM's."""
 
+import inspect
 import json
 
 import pytest
@@ -50,8 +51,7 @@ def test_the_wrapper_runs_again_with_a_halved_tile_and_its_grid(install_guard, i
             "one launch, at the halved tile, with the grid the wrapper computed from it"
         assert matmul(*operands()) == 64 and len(gpu.launches) == 2, "the next call chooses it at once"
         assert block_m_for(N, "torch.float16") == 128, "another caller keeps the library's own answer"
-    reraised, chosen = records(incident_log)
-    assert reraised["action"] == "reraised", "the launch guard's own record: no stage count fits"
+    [chosen] = records(incident_log)  # one record of the call: the launch guard leaves it to the declared wrapper
     assert (chosen["action"], chosen["final"], chosen["launched_as"]) == (
         "tiles_reduced", "BLOCK_M=64", "test_wrapper_tiles:matmul")
     assert chosen["shape_class"] == {"rows": N, "dtype": "torch.float16"} and chosen["config"] == "BLOCK_M=128"
@@ -80,7 +80,7 @@ def test_the_next_process_chooses_the_stored_tile_at_once(incident_log, tmp_path
         finally:
             smemguard.uninstall()
         assert gpu.launches[-1].grid == (4, 2, 1)
-    assert [record["action"] for record in records(incident_log)] == ["reraised", "tiles_reduced"], \
+    assert [record["action"] for record in records(incident_log)] == ["tiles_reduced"], \
         "the second process raised nothing"
 
 
@@ -91,9 +91,58 @@ def test_nothing_below_the_smallest_tile_and_the_callers_error_is_kept(install_g
             matmul(*operands())
         assert gpu.launches == []
         assert (caught.value.required, caught.value.limit) == (32768, 12000), "the first error, the caller's own"
-        with pytest.raises(OutOfResources):
+        with pytest.raises(OutOfResources) as again:
             matmul(*operands())  # the library's own tile again: nothing smaller was kept
-    assert [record["action"] for record in records(incident_log) if record["action"] != "reraised"] == []
+        assert len(gpu.launches) == 0
+    [record] = records(incident_log)  # one, from the wrapper's layer; the second call is not recorded again
+    assert (record["action"], record["launched_as"], record["config"]) == (
+        "reraised", "test_wrapper_tiles:matmul", "BLOCK_M=128")
+    assert [attempt.get("config") or attempt["changes"] for attempt in record["attempts"]] == [
+        "BLOCK_M=128", "BLOCK_M=64", "BLOCK_M=32"]
+    assert [attempt["required"] for attempt in record["attempts"]] == [32768, 24576, 20480], \
+        "what each tried needs"
+    source, first = inspect.getsourcelines(matmul.__wrapped__)
+    line = first + next(index for index, text in enumerate(source) if "matmul_kernel[grid]" in text)  # its launch
+    expected = (f"test_wrapper_tiles:matmul at {__file__}:{line} chose BLOCK_M=128 for smemguard.examples:"
+                "matmul_kernel (block_m_for); even BLOCK_M=32, the smallest declared, needs 20480 B over 12000 B at "
+                "any stage count; to run here, give the wrapper a torch fallback: smemguard.rerun_on_overflow("
+                "block_m_for, fallback=fn) with fn taking test_wrapper_tiles:matmul's arguments, or "
+                "smemguard.register_fallback(smemguard.examples:matmul_kernel, fn) with fn taking the kernel's")
+    assert record["reason"] == expected
+    assert any(note.startswith(f"smemguard: {expected}; incident record: ") for note in caught.value.__notes__)
+    assert f"smemguard: {expected}" in again.value.__notes__
+
+
+def torch_matmul(a, b, c):
+    """The wrapper's fallback: its result computed in torch (what a pack that knows the op supplies)."""
+    if a.dtype != torch.float16:
+        return NotImplemented  # arguments it does not cover
+    torch.matmul(a, b, out=c)
+    return "torch"
+
+
+@smemguard.rerun_on_overflow(block_m_for, fallback=torch_matmul)
+def matmul_or_torch(a, b, c):
+    return matmul.__wrapped__(a, b, c)
+
+
+def test_where_nothing_fits_the_wrappers_fallback_runs_in_its_place(install_guard, incident_log, triton_cache):
+    install_guard()
+    a, b = torch.randn(N, N).half(), torch.randn(N, N).half()
+    c = torch.empty(N, N, dtype=torch.float16)
+    with fake_gpu("L4", max_shared=12000, cache_dir=triton_cache) as gpu:
+        assert matmul_or_torch(a, b, c) == "torch" and torch.equal(c, torch.matmul(a, b))
+        assert matmul_or_torch(a, b, c) == "torch", "at once the next time: nothing is compiled or recorded again"
+        with pytest.raises(OutOfResources) as caught:  # float32: the fallback declines, the caller's error
+            matmul_or_torch(*(torch.empty(N, N) for _ in range(3)))
+        assert gpu.launches == []
+    ran, declined = records(incident_log)
+    assert (ran["action"], ran["final"], ran["launched_as"]) == (
+        "fallback", "test_wrapper_tiles:torch_matmul", "test_wrapper_tiles:matmul_or_torch")
+    assert "the smallest declared, needs 20480 B over 12000 B" in ran["reason"]
+    assert declined["action"] == "reraised" and declined["shape_class"] == {"rows": N, "dtype": "torch.float32"}
+    assert declined["reason"].endswith("; its fallback test_wrapper_tiles:torch_matmul does not cover these arguments")
+    assert any("does not cover these arguments" in note for note in caught.value.__notes__)
 
 
 def test_observe_mode_and_no_install_never_run_the_wrapper_again(install_guard, triton_cache):
@@ -200,12 +249,19 @@ def test_the_declarations_refuse_what_cannot_be_a_tile_choice():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the results are compared bitwise there")
 def test_on_a_gpu_the_halved_tile_gives_the_same_bits(install_guard, monkeypatch):
-    """Each output element sums the same K tiles in the same order at BLOCK_M 128 and 64: bitwise the same."""
+    """Each output element sums the same K tiles in the same order at BLOCK_M 128 and 64: bitwise the same. The
+    limit: one byte under what the library's tile needs on this GPU (30000 B suits sm_89, not sm_90)."""
     a, b = (torch.randn(N, N, device="cuda", dtype=torch.float16) for _ in range(2))
     expected = torch.empty(N, N, device="cuda", dtype=torch.float16)
-    matmul(a, b, expected)  # smemguard not installed: the library's own tile on the full GPU
-    monkeypatch.setenv("SMEMGUARD_MAX_SHARED", str(LIMIT))
-    install_guard(max_shared=LIMIT)
+    # The library's own tile on the full GPU, through a copy of the kernel: a kernel already loaded is not checked
+    # against the limit again, so the declared one must make its first launch under it.
+    reference = triton.jit(matmul_kernel.fn)
+    reference[(triton.cdiv(N, 128), triton.cdiv(N, 128))](*matmul_args(a, b, expected), BLOCK_M=128, BLOCK_N=128,
+                                                          BLOCK_K=64, num_stages=1)
+    compiled = reference.device_caches[torch.cuda.current_device()][0].values()
+    limit = max(kernel.metadata.shared for kernel in compiled) - 1
+    monkeypatch.setenv("SMEMGUARD_MAX_SHARED", str(limit))
+    install_guard(max_shared=limit)
     got = torch.empty_like(expected)
     assert matmul(a, b, got) == 64
     assert torch.equal(got, expected)

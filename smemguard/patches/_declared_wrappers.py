@@ -13,6 +13,7 @@ wrapper reads the installed settings at each call).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -24,12 +25,17 @@ from ..wrapper_tiles import rerun_on_overflow
 class DeclaredWrappers:
     """``module``'s ``wrappers``, declared re-runnable with the declaration ``declare(module, original)`` builds
     over ``module.declared`` (what the wrappers choose their tiles with). ``check(module)`` raises when the module
-    is not laid out as the versions the pack was checked against. Its ``applies``, ``patch``, ``unpatch`` and
-    ``is_patched`` are the patch module's contract (:mod:`smemguard.patches`)."""
+    is not laid out as the versions the pack was checked against. ``fallbacks``: per wrapper, the name in
+    :mod:`smemguard.fallbacks` of the torch computation of its result for calls where not even the smallest tiles
+    fit, taking the wrapper's parameters by name. Its
+    ``applies``, ``patch``, ``unpatch`` and ``is_patched`` are the patch
+    module's contract (:mod:`smemguard.patches`)."""
 
     def __init__(self, *, module: str, declared: str, declare: Callable[[ModuleType, Any], Any],
-                 wrappers: tuple[str, ...], check: Callable[[ModuleType], None]):
+                 wrappers: tuple[str, ...], check: Callable[[ModuleType], None],
+                 fallbacks: dict[str, str] | None = None):
         self.module, self._declare, self._check = module, declare, check
+        self._fallbacks = fallbacks or {}
         self._declared = Layer(module, declared, rebind=True)
         self._wrappers = tuple(Layer(module, wrapper, rebind=True) for wrapper in wrappers)
 
@@ -46,7 +52,9 @@ class DeclaredWrappers:
         self._check(module)
         declaration = self._declared.add(lambda original: self._declare(module, original))
         for wrapper in self._wrappers:
-            wrapper.add(rerun_on_overflow(declaration))
+            compute = self._fallbacks.get(wrapper.name)
+            wrapper.add(lambda original, compute=compute: rerun_on_overflow(
+                declaration, fallback=None if compute is None else _taking(original, compute))(original))
 
     def unpatch(self) -> None:
         for wrapper in reversed(self._wrappers):
@@ -55,3 +63,18 @@ class DeclaredWrappers:
 
     def is_patched(self) -> bool:
         return self._declared.present() and all(wrapper.present() for wrapper in self._wrappers)
+
+
+def _taking(original, compute: str) -> Callable[..., Any]:
+    """``smemguard.fallbacks.<compute>`` called with the arguments given to the wrapper ``original``, by its parameter
+    names (only those given: an argument of a newer release reaches it by name, and it declines). Imported at the
+    first such call: torch is not imported at install."""
+    signature = inspect.signature(inspect.unwrap(original))
+
+    def fallback(*args, **kwargs):
+        from .. import fallbacks
+
+        return getattr(fallbacks, compute)(**signature.bind(*args, **kwargs).arguments)
+
+    fallback.__module__, fallback.__qualname__ = "smemguard.fallbacks", compute
+    return fallback

@@ -18,6 +18,11 @@ softmax's additions (not bitwise). Halving: every tile equal to the largest (``w
 no larger than ``BLOCK_N`` stays so; down to 16 (``tl.dot``). The scheduler's tile budget reads the library's own
 ``BLOCK_M`` (``triton_backend.extend_attention_block_m``, computed outside the wrappers): an estimate, unchanged.
 
+Where not even 16x16 fits (Lq 576, Lv 512 on a T4: 69632 B at one stage in fp16, 204800 in bf16),
+``extend_attention_fwd`` runs in torch (``smemguard.fallbacks.sglang_extend_attention``: each sequence's queries
+over its prefix and its own keys, causal, float32) for the options it computes; the unified wrapper and the other
+options get the caller's error, with a note naming the wrapper, its tiles and what 16x16 still needs.
+
 What it does: the choice function becomes a declared ``smemguard.tile_choice`` (tiles at positions 3 and 4 of the
 tuple it returns, for both kernels), the two wrappers ``smemguard.rerun_on_overflow`` (also where the Triton backend
 and the dLLM attention imported them by name). On CUDA each wrapper's first launch is its kernel (the FP8 casts and
@@ -65,5 +70,6 @@ def _declare(module, original):
                        smallest=_SMALLEST)(original)
 
 
-WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=CHOICE, declare=_declare, wrappers=WRAPPERS, check=_check)
+WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=CHOICE, declare=_declare, wrappers=WRAPPERS, check=_check,
+                           fallbacks={"extend_attention_fwd": "sglang_extend_attention"})
 applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched

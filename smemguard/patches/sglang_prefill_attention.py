@@ -22,7 +22,8 @@ What it does: the choice is inline, so the kernel is declared where the wrapper 
 (``smemguard.tiles_at_launch``: the module's ``_fwd_kernel`` gets a proxy that, inside a declared call, launches the
 tiles learnt for the shape class, query dtype and head size, with the grid above) and the wrapper
 ``smemguard.rerun_on_overflow`` (also where the vision attention imported it by name). ``_fwd_kernel`` is the
-wrapper's only launch. Not applied in ``SMEMGUARD=observe``: it changes what runs.
+wrapper's only launch. Where not even 16x16 fits (none measured up to head size 512), the call runs in torch
+(``smemguard.fallbacks.sglang_context_attention``). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
 Checked against SGLang 0.5.23 (``sglang/kernels/ops/attention/prefill_attention.py``).
 """
@@ -77,5 +78,5 @@ def _declare(module, original):
 
 
 WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=KERNEL, declare=_declare, wrappers=(WRAPPER,),
-                           check=_check)
+                           check=_check, fallbacks={WRAPPER: "sglang_context_attention"})
 applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched

@@ -1,0 +1,126 @@
+"""What a declared wrapper's call that smemguard ran again comes to (:mod:`smemguard.wrapper_tiles`), with its one
+incident record and warning line: smaller tiles that fit; or, where not even the smallest declared tiles fit, the
+wrapper's fallback (a torch computation of the same result, which a pack that knows the op supplies) or the caller's
+own error, with a note naming the wrapper and its line, the tiles, the bytes the smallest still needs, and the exact
+call that would let it run here."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from . import incidents, introspect, runtime
+from .decision import FALLBACK, RERAISED, TILES_REDUCED
+from .internal import Steps
+from .launch import Attempt
+
+SHARED = "shared memory"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One declared call that did not fit at the tiles its library chose."""
+
+    wrapper: Callable
+    name: str  # the wrapper's module:qualname
+    declaration: Any  # smemguard.wrapper_tiles._Declaration
+    jit: Any  # the kernel that did not fit
+    shape: tuple
+    error: BaseException  # the caller's own: the first launch's OutOfResources
+    failed: list  # Attempt per tiles tried, the library's first
+    least: int | None  # the least bytes the launch guard's candidates needed at the smallest tiles
+    started: float
+    settings: Any
+    steps: Steps
+
+    def reduced(self, final: tuple) -> None:
+        """Smaller tiles fit: the record, and the line saying the wrapper chooses them from now on."""
+        chosen = self.declaration.label(final)
+        self._report(TILES_REDUCED, chosen, None, [*self.failed, Attempt(chosen, None, self.error.limit, True)],
+                     "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
+                     self.kernel, SHARED, self.error.required, self.error.limit, self.failed[0].config,
+                     " ".join(f"{name}={value}" for name, value in self.shape), self.name, chosen)
+
+    @property
+    def kernel(self) -> str:
+        return introspect.kernel_name(self.jit)
+
+    def reason(self, fallback, last_error) -> str:
+        """What chose the tiles and what the smallest still needs: the record's reason and the error's note."""
+        needs = self.least or getattr(last_error, "required", None)
+        choice = self.declaration.name.rpartition(":")[2]
+        return (f"{self.name} at {_site(self.wrapper, self.error)} chose {self.failed[0].config} for {self.kernel} "
+                f"({choice}); even {self.failed[-1].config}, the smallest declared, needs {needs} B over "
+                f"{self.error.limit} B at any stage count" + ("" if fallback is not None else
+                f"; to run here, give the wrapper a torch fallback: smemguard.rerun_on_overflow({choice}, fallback=fn) "
+                f"with fn taking {self.name}'s arguments, or smemguard.register_fallback({self.kernel}, fn) with fn "
+                "taking the kernel's"))
+
+    def decided(self, reason: str | None, fallback, args: tuple, kwargs: dict):
+        """The fallback's result (recorded), or the caller's error with the record and a note."""
+        reason = reason or f"not even the smallest declared tiles fit for {self.name}"
+        if fallback is not None:
+            try:
+                result = fallback(*args, **kwargs)
+            except Exception as fallback_error:
+                raise self._reraised(f"{reason}; its fallback {introspect.callable_name(fallback)} raised "
+                                     f"{type(fallback_error).__name__}: {fallback_error}") from fallback_error
+            if result is not NotImplemented:
+                self._report(FALLBACK, introspect.callable_name(fallback), reason, self._attempts(),
+                             "smemguard: %s: %s; %s ran in its place", self.kernel, reason,
+                             introspect.callable_name(fallback))
+                return result
+            reason = f"{reason}; its fallback {introspect.callable_name(fallback)} does not cover these arguments"
+        raise self._reraised(reason)
+
+    def _reraised(self, reason: str) -> BaseException:
+        where = self._report(RERAISED, None, reason, self._attempts(), "smemguard: %s: re-raised: %s", self.kernel,
+                             reason)
+        incidents.add_note(self.error, f"smemguard: {reason}" + (f"; incident record: {where}" if where else ""))
+        return self.error
+
+    def _attempts(self) -> list:
+        return [*self.failed[:-1], dataclasses.replace(self.failed[-1], required=self.least or
+                                                       self.failed[-1].required)]
+
+    def _report(self, action: str, final: str | None, reason: str | None, attempts: list, message: str,
+                *args) -> str | None:
+        device = runtime.current_device()
+        incident = incidents.Incident(
+            kernel=self.kernel, launched_as=self.name, phase="launch", action=action, final=final, resource=SHARED,
+            required=self.error.required, limit_hit=self.error.limit, started=self.started, device=device,
+            reason=reason, internal_steps=self.steps.failed, compiles=len(self.failed),
+            attempts=incidents.attempt_records(attempts),
+            extras={"shape_class": dict(self.shape), "config": self.failed[0].config,
+                    "choice": self.declaration.name})
+        return incidents.report(incident, self.settings.log_path, (self.name, self.declaration.name, self.shape,
+                                                                   device, action), message, *args)
+
+
+def nothing_fits(reason: str, fallback, error: BaseException, args: tuple, kwargs: dict):
+    """A later call of a shape class whose outcome was recorded in this process: the fallback, or the error."""
+    if fallback is not None:
+        try:
+            result = fallback(*args, **kwargs)
+        except Exception as fallback_error:
+            incidents.add_note(error, f"smemguard: {reason}")
+            raise error from fallback_error
+        if result is not NotImplemented:
+            return result
+        reason = f"{reason}; its fallback {introspect.callable_name(fallback)} does not cover these arguments"
+    incidents.add_note(error, f"smemguard: {reason}")
+    raise error
+
+
+def _site(wrapper: Callable, error: BaseException) -> str:
+    """``file:line`` of the wrapper's line that launched the kernel (the innermost frame of its code in the
+    traceback), else of its definition."""
+    code = getattr(inspect.unwrap(wrapper), "__code__", None)
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            found = f"{code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found or (f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?")
