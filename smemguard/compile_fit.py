@@ -50,12 +50,11 @@ import time
 
 from . import decisions, incidents, introspect, recall, runtime
 from .candidates import next_stage_count
-from .decision import STAGES_REDUCED
+from .decision import SHARED, STAGES_REDUCED
 from .internal import Steps, StepFailed
 
 log = logging.getLogger(__name__)
 
-SHARED = "shared memory"
 LAUNCHED_AS = "triton.compile"
 
 

@@ -23,6 +23,9 @@ BLOCKS_REDUCED = "blocks_reduced"
 #: records written before 2026-12-03 spell it ``tile_reduced``).
 TILES_REDUCED = "tiles_reduced"
 
+#: The resource every overflow smemguard handles is named with (Triton's ``OutOfResources.name``).
+SHARED = "shared memory"
+
 #: Actions applied by putting the replacement into Triton's JIT cache: same tiles, other options.
 OPTION_ONLY = (STAGES_REDUCED, WARPS_REDUCED)
 

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from . import candidates, decisions, incidents, introspect, ladder, registry, runtime
-from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
+from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, SHARED, Decision
 from .launch import try_compile, with_config
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,6 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     return None
 
 
-#: The resource a refused variant is refused for: the limit of the stored case is the shared memory's.
-SHARED = "shared memory"
 
 #: Set while every variant is compiled as asked, none refused before compiling (:func:`smemguard.recovery.handle`).
 compiling_as_asked = runtime.ThreadFlag()

@@ -11,11 +11,9 @@ import inspect
 from typing import Any, Callable
 
 from . import incidents, introspect, runtime
-from .decision import FALLBACK, RERAISED, TILES_REDUCED
+from .decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
 from .internal import Steps
 from .launch import Attempt
-
-SHARED = "shared memory"
 
 
 @dataclasses.dataclass
@@ -60,19 +58,13 @@ class Outcome:
     def decided(self, reason: str | None, fallback, args: tuple, kwargs: dict):
         """The fallback's result (recorded), or the caller's error with the record and a note."""
         reason = reason or f"not even the smallest declared tiles fit for {self.name}"
-        if fallback is not None:
-            try:
-                result = fallback(*args, **kwargs)
-            except Exception as fallback_error:
-                raise self._reraised(f"{reason}; its fallback {introspect.callable_name(fallback)} raised "
-                                     f"{type(fallback_error).__name__}: {fallback_error}") from fallback_error
-            if result is not NotImplemented:
-                self._report(FALLBACK, introspect.callable_name(fallback), reason, self._attempts(),
-                             "smemguard: %s: %s; %s ran in its place", self.kernel, reason,
-                             introspect.callable_name(fallback))
-                return result
-            reason = f"{reason}; its fallback {introspect.callable_name(fallback)} does not cover these arguments"
-        raise self._reraised(reason)
+        result, why_not, fallback_error = _fallen_back(fallback, args, kwargs)
+        if why_not is None:
+            self._report(FALLBACK, introspect.callable_name(fallback), reason, self._attempts(),
+                         "smemguard: %s: %s; %s ran in its place", self.kernel, reason,
+                         introspect.callable_name(fallback))
+            return result
+        raise self._reraised(reason + why_not) from fallback_error
 
     def _reraised(self, reason: str) -> BaseException:
         where = self._report(RERAISED, None, reason, self._attempts(), "smemguard: %s: re-raised: %s", self.kernel,
@@ -100,17 +92,25 @@ class Outcome:
 
 def nothing_fits(reason: str, fallback, error: BaseException, args: tuple, kwargs: dict):
     """A later call of a shape class whose outcome was recorded in this process: the fallback, or the error."""
-    if fallback is not None:
-        try:
-            result = fallback(*args, **kwargs)
-        except Exception as fallback_error:
-            incidents.add_note(error, f"smemguard: {reason}")
-            raise error from fallback_error
-        if result is not NotImplemented:
-            return result
-        reason = f"{reason}; its fallback {introspect.callable_name(fallback)} does not cover these arguments"
-    incidents.add_note(error, f"smemguard: {reason}")
-    raise error
+    result, why_not, fallback_error = _fallen_back(fallback, args, kwargs)
+    if why_not is None:
+        return result
+    incidents.add_note(error, f"smemguard: {reason}{why_not}")
+    raise error from fallback_error
+
+
+def _fallen_back(fallback, args: tuple, kwargs: dict) -> tuple[Any, str | None, BaseException | None]:
+    """(the fallback's result, None) when it ran; else (None, why not, as the reason's end, the error it raised)."""
+    if fallback is None:
+        return None, "", None
+    name = introspect.callable_name(fallback)
+    try:
+        result = fallback(*args, **kwargs)
+    except Exception as error:  # the user's (or a pack's) code: its error is the cause of the caller's
+        return None, f"; its fallback {name} raised {introspect.error_summary(error)}", error
+    if result is NotImplemented:
+        return None, f"; its fallback {name} does not cover these arguments", None
+    return result, None, None
 
 
 def _site(wrapper: Callable, error: BaseException) -> str:

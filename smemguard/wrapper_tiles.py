@@ -45,7 +45,7 @@ from typing import Any, Callable
 import wrapt
 
 from . import decisions, introspect, runtime, wrapper_outcomes
-from .decision import TILES_REDUCED
+from .decision import SHARED, TILES_REDUCED
 from .internal import StepFailed, Steps
 from .launch import Attempt
 
@@ -343,7 +343,7 @@ def _in_use(settings) -> bool:
 def _overflow(error: BaseException) -> bool:
     from triton.runtime.errors import OutOfResources
 
-    return isinstance(error, OutOfResources) and error.name == wrapper_outcomes.SHARED
+    return isinstance(error, OutOfResources) and error.name == SHARED
 
 
 def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> Callable[[Callable], Callable]:
@@ -414,12 +414,13 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
     known = declaration.exhausted(name, shape)
     if known is not None:  # decided and recorded before in this process
         return wrapper_outcomes.nothing_fits(known, fallback, original, args, kwargs)
+    outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started,
+                                       settings, steps)
     while True:
         failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
         smaller = declaration.smaller(tiles)
         if smaller is None:  # nothing smaller may run: the wrapper's fallback, or its own tiles again and its error
-            outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed,
-                                               call.least, started, settings, steps)
+            outcome.least = call.least
             reason = steps.run("explain the failure", outcome.reason, fallback, error, otherwise=lambda: None)
             if reason is not None:
                 steps.run("remember the failure", declaration.exhaust, name, shape, reason, otherwise=lambda: None)
@@ -435,8 +436,7 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
         if step is None or step[:2] != (declaration, shape):
             raise error  # a later launch failed after the kernel ran: the call is not run again
         tiles = step[2]
-    wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started, settings,
-                             steps).reduced(smaller)
+    outcome.reduced(smaller)
     _remember(name, declaration, shape, failed[0].config, smaller, original, settings, steps)
     return result
 
@@ -518,5 +518,5 @@ def _remember(wrapper: str, declaration: _Declaration, shape: tuple, launched: s
         case, device = declaration.case(wrapper, shape), runtime.current_device()
         steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
             case, action=TILES_REDUCED, final=declaration.label(final), from_config=launched,
-            gpu=decisions.gpu_label(device), resource=wrapper_outcomes.SHARED, required=error.required,
+            gpu=decisions.gpu_label(device), resource=SHARED, required=error.required,
             value=declaration.stored(final)), otherwise=lambda: None)
