@@ -41,7 +41,7 @@ def main(argv=None) -> None:
         except ArithmeticError:  # never raised: only the healthy path is timed
             raise
 
-    layers = {"smemguard plain function layer": vllm_unified_attention.CHOICE._guarded(noop),
+    layers = {"smemguard plain function layer": vllm_unified_attention.PATCH._guarded(noop),
               "wrapt FunctionWrapper with the same try": wrapt.FunctionWrapper(noop, wrapt_try)}
     bare = per_call_us(noop, options.calls, options.repeat)
     print(f"bare call: {bare:.3f} us")

@@ -309,6 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from .cli_check import add_check_command
+    from .cli_run import add_run_command
+
+    _add_demo_command(commands)
+    _add_gpus_command(commands)
+    _add_report_command(commands)
+    _add_replay_command(commands)
+    _add_cache_command(commands)
+    _add_versions_command(commands)
+    add_check_command(commands)
+    add_run_command(commands)
+    return parser
+
+
+def _add_demo_command(commands) -> None:
+    """Add ``demo``: reproduce an overflow on a stand-in GPU, then recover it."""
     demo = commands.add_parser("demo", help="reproduce a small GPU's overflow here (no GPU needed) and recover it",
                                description="Autotunes an example matmul on misaligned views, then launches it on "
                                            "aligned tensors of the same shape: the winner overflows, first without "
@@ -322,12 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--gpu", default="L4", help="GPU to stand in for (default: L4; any GPU of 'smemguard gpus', "
                                                   "NVIDIA or AMD)")
     demo.set_defaults(run=_demo)
+
+
+def _add_gpus_command(commands) -> None:
+    """Add ``gpus``: the GPUs smemguard knows and their limits."""
     table = commands.add_parser("gpus", help="list the GPUs smemguard knows and their per-block shared-memory limits",
                                 description="The per-block opt-in shared-memory limit Triton checks, per GPU. Any "
                                             "name or alias is accepted by SMEMGUARD_MAX_SHARED.", epilog=GPUS_EXIT)
     table.add_argument("--json", action="store_true", help="machine-readable output")
     table.set_defaults(run=_gpus)
 
+
+def _add_report_command(commands) -> None:
+    """Add ``report``: summarize incident records."""
     summary = commands.add_parser(
         "report", help="summarize incident records: which kernels overflowed where, and what was done",
         description="Reads the JSON-lines incident files written with SMEMGUARD_LOG (several files, e.g. one per "
@@ -346,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--json", action="store_true", help="the same as --format json")
     summary.set_defaults(run=_report)
 
+
+def _add_replay_command(commands) -> None:
+    """Add ``replay``: run a recorded launch again."""
     again = commands.add_parser(
         "replay", help="rebuild a recorded launch from its incident record and run it again",
         description="Imports the recorded kernel, builds tensors with the recorded shapes, strides, dtypes and "
@@ -364,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--limit", help="limit to reproduce against, bytes or a GPU name (default: the recorded one)")
     again.set_defaults(run=_replay)
 
+
+def _add_cache_command(commands) -> None:
+    """Add ``cache``: show, clear, export or import this host's decisions."""
     cache = commands.add_parser(
         "cache", help="show, clear, export or import the decisions this host remembers",
         description="Decisions live in SMEMGUARD_CACHE_DIR/decisions.json and are shared by every process on the "
@@ -377,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--json", action="store_true", help="with show: the raw file")
     cache.set_defaults(run=_cache, cache_parser=cache)
 
+
+def _add_versions_command(commands) -> None:
+    """Add ``versions``: which patches apply to the releases installed here."""
     checked = commands.add_parser(
         "versions", help="which patches apply here: the releases each was checked against, and yours",
         description="Each patch smemguard can apply, the package it patches, the oldest release read (older ones "
@@ -387,13 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     checked.add_argument("--markdown", action="store_true", help="the README's table of supported versions")
     checked.set_defaults(run=_versions)
-
-    from .cli_check import add_check_command
-    from .cli_run import add_run_command
-
-    add_check_command(commands)
-    add_run_command(commands)
-    return parser
 
 
 def _versions(args) -> int:

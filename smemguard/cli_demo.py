@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from . import files, gpus, runtime, untrusted
 from ._version import __version__
@@ -91,25 +92,13 @@ def run(gpu_name: str, settings) -> int:
 
 def _run(gpu_name: str, settings) -> int:
     gpu = gpus.lookup(gpu_name)
-    if gpu is None:
-        print(f"smemguard demo: {gpu_name!r} is not a GPU from 'smemguard gpus'; one of: "
-              f"{', '.join(gpus.names())}", file=sys.stderr)
+    problem = _why_no_demo(gpu_name, gpu)
+    if problem is not None:
+        print(f"smemguard demo: {problem}", file=sys.stderr)
         return 2
-    if gpu.backend == "hip":
-        from .preflight.compiling import hip_compile_problem
-
-        problem = hip_compile_problem()
-        if problem is not None:
-            print(f"smemguard demo: cannot compile for the {gpu.name} ({gpu.arch}) here: {problem}", file=sys.stderr)
-            return 2
     import torch
-    import triton
-    from triton.runtime.errors import OutOfResources
 
-    import smemguard
-    from .examples import autotuned_matmul, matmul_args, tiled_grid
-    from .settings import MAX_SHARED, MODE, SettingsError
-    from .testing import fake_gpu
+    from .examples import autotuned_matmul, tiled_grid
 
     scenario = demo_scenario(gpu)
     n, dtype = 512, {"fp16": torch.float16, "fp32": torch.float32}[scenario.dtype]
@@ -117,16 +106,53 @@ def _run(gpu_name: str, settings) -> int:
     aligned, misaligned = storage[: n * n].view(n, n), storage[1: n * n + 1].view(n, n)
     b, c = torch.empty(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
     grid = tiled_grid(n, n)
-    big = scenario.configs[0]
+    _print_header(gpu, settings)
+    tuned = autotuned_matmul(scenario.configs)
+    elsewhere = scenario.tuned_on != gpu
+    _autotune_where_tuned(scenario, n, _launcher(tuned, grid, misaligned if scenario.misaligned else aligned, b, c),
+                          elsewhere)
+    return _overflow_then_recover(gpu, settings, _launcher(tuned, grid, aligned, b, c), elsewhere)
+
+
+def _why_no_demo(gpu_name: str, gpu: gpus.Gpu | None) -> str | None:
+    """Why the demo cannot stand in for ``gpu_name`` (``gpu`` as looked up) on this machine, or None."""
+    if gpu is None:
+        return f"{gpu_name!r} is not a GPU from 'smemguard gpus'; one of: {', '.join(gpus.names())}"
+    if gpu.backend == "hip":
+        from .preflight.compiling import hip_compile_problem
+
+        problem = hip_compile_problem()
+        if problem is not None:
+            return f"cannot compile for the {gpu.name} ({gpu.arch}) here: {problem}"
+    return None
+
+
+def _print_header(gpu: gpus.Gpu, settings) -> None:
+    import triton
+
+    from .settings import MAX_SHARED
+
     memory = "of shared memory per block" if gpu.backend == "cuda" else "of LDS (shared memory) per workgroup"
     print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
           f"({gpu.arch}, {gpu.max_shared} B {memory}); no kernel executes.")
     if settings.max_shared is not None:
         print(f"({MAX_SHARED} does not apply here: --gpu sets the limit.)")
     print()
-    tuned = autotuned_matmul(scenario.configs)
+
+
+def _launcher(tuned, grid, a, b, c) -> Callable[[], object]:
+    """The matmul launch of ``a @ b`` into ``c``, made again under each stand-in GPU in turn."""
+    from .examples import matmul_args
+
+    return lambda: tuned[grid](*matmul_args(a, b, c))
+
+
+def _autotune_where_tuned(scenario: DemoScenario, n: int, launch: Callable[[], object], elsewhere: bool) -> None:
+    """Step 1: the autotuner chooses the scenario's big config on the GPU it tunes on."""
+    from .testing import fake_gpu
+
+    big = scenario.configs[0]
     views = "misaligned views" if scenario.misaligned else "16-byte-aligned tensors"
-    elsewhere = scenario.tuned_on != gpu
     with fake_gpu(scenario.tuned_on.name) as device:
         # The fastest-looking config is the big one, as it would be on the GPU it was tuned for.
         timings = itertools.chain([1.0, 2.0], itertools.repeat(1.0))
@@ -134,16 +160,25 @@ def _run(gpu_name: str, settings) -> int:
         where = f" on a stand-in {scenario.tuned_on.name} (tuned elsewhere)" if elsewhere else ""
         started = _step(f"1. autotune a {n}x{n} {scenario.dtype} matmul over {len(scenario.configs)} configs on "
                         f"{views}{where}")
-        tuned[grid](*matmul_args(misaligned if scenario.misaligned else aligned, b, c))
+        launch()
         won = device.launches[-1]
         _done(started, f"winner {big.kwargs['BLOCK_M']}x{big.kwargs['BLOCK_N']}x{big.kwargs['BLOCK_K']}, "
                        f"{_stages(won.num_stages)}, {won.shared} B")
+
+
+def _overflow_then_recover(gpu: gpus.Gpu, settings, launch: Callable[[], object], elsewhere: bool) -> int:
+    """Steps 2 to 4 on the stand-in ``gpu``: the winner overflows, then smemguard recovers it; prints
+    the incident record and returns the exit status."""
+    import smemguard
+    from triton.runtime.errors import OutOfResources
+
+    from .testing import fake_gpu
 
     with fake_gpu(gpu.name) as device, tempfile.TemporaryDirectory(prefix="smemguard-demo-") as scratch:
         what = f"on the {gpu.name} (the autotuner keeps its choice)" if elsewhere else "with 16-byte-aligned tensors"
         started = _step(f"2. the same shape {what}, without smemguard")
         try:
-            tuned[grid](*matmul_args(aligned, b, c))
+            launch()
             _done(started, "it fit: nothing to show on this GPU (a bug in the demo's configs: please report it)")
             return 1
         except OutOfResources as error:
@@ -151,32 +186,59 @@ def _run(gpu_name: str, settings) -> int:
 
         incidents = settings.log_path or Path(scratch) / "incidents.jsonl"
         offset = incidents.stat().st_size if incidents.exists() else 0
-        try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
-            smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
-                                                  log_path=incidents, problems=()))
-        except SettingsError as error:  # strict mode, and smemguard cannot guard this Triton
-            print(f"smemguard demo: {error}", file=sys.stderr)
+        if not _install_in_memory(settings, incidents):
             return 2
         try:
-            started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
-            try:
-                tuned[grid](*matmul_args(aligned, b, c))
-            except OutOfResources:
-                _done(started, "OutOfResources again: " + ("smemguard is off, nothing installed" if not
-                      settings.enabled else "observe mode records the incident and changes nothing"))
-            else:
-                fixed = device.launches[-1]
-                _done(started, f"ran with {_stages(fixed.num_stages)}, {fixed.shared} B, grid {fixed.grid}")
-                started = _step("4. again (remembered: no exception, no compile)")
-                tuned[grid](*matmul_args(aligned, b, c))
-                _done(started, f"ran with {_stages(device.launches[-1].num_stages)}")
+            _launch_guarded(settings, launch, device)
         finally:
             smemguard.uninstall()
         record = _appended_record(incidents, offset)
+    _print_record(record, incidents, settings)
+    return 0
+
+
+def _install_in_memory(settings, incidents: Path) -> bool:
+    """Installs smemguard logging to ``incidents``; False (and why, on stderr) when it refuses."""
+    import smemguard
+
+    from .settings import SettingsError
+
+    try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
+        smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
+                                              log_path=incidents, problems=()))
+    except SettingsError as error:  # strict mode, and smemguard cannot guard this Triton
+        print(f"smemguard demo: {error}", file=sys.stderr)
+        return False
+    return True
+
+
+def _launch_guarded(settings, launch: Callable[[], object], device) -> None:
+    """Steps 3 and 4: the overflowing launch with smemguard installed, then once more."""
+    from triton.runtime.errors import OutOfResources
+
+    from .settings import MODE
+
+    started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
+    try:
+        launch()
+    except OutOfResources:
+        _done(started, "OutOfResources again: " + ("smemguard is off, nothing installed" if not
+              settings.enabled else "observe mode records the incident and changes nothing"))
+    else:
+        fixed = device.launches[-1]
+        _done(started, f"ran with {_stages(fixed.num_stages)}, {fixed.shared} B, grid {fixed.grid}")
+        started = _step("4. again (remembered: no exception, no compile)")
+        launch()
+        _done(started, f"ran with {_stages(device.launches[-1].num_stages)}")
+
+
+def _print_record(record: dict | None, incidents: Path, settings) -> None:
+    from .settings import MODE
+
     if record is None:
         print(f"\nno incident record ({MODE}=off)" if not settings.enabled else
               f"\nno incident record could be written to {incidents} (see the warning above)")
-        return 0
+        return
     where = incidents if settings.log_path else "a temporary file, now removed; set SMEMGUARD_LOG to keep it"
     print(f"\nincident record ({where}):")
     for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
@@ -184,4 +246,3 @@ def _run(gpu_name: str, settings) -> int:
     for number, attempt in enumerate(record.get("attempts") or []):
         print(f"  {'attempts' if number == 0 else '':12} {attempt.get('changes') or attempt['config']}: "
               f"{attempt['required']} B")
-    return 0

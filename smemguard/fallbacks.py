@@ -78,17 +78,22 @@ def paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms
     only past 2**32 work units.
     """
     _check(context_lens, block_kv, num_sms, variant)
-    batch = context_lens.shape[0]
     next_n = context_lens.shape[1] if context_lens.dim() == 2 else 1
     lens = (context_lens[:, -1] if context_lens.dim() == 2 else context_lens).to(torch.int64)
     segs = (lens + (SPLIT_KV - 1)) // SPLIT_KV
     sm = torch.arange(num_sms + 1, device=context_lens.device, dtype=torch.int64)
     if variant == "sm100":
         return _token_weighted(segs, next_n, sm, num_sms)
+    return _atom_ordered(segs, next_n, sm, num_sms, variant)
+
+
+def _atom_ordered(segs: torch.Tensor, next_n: int, sm: torch.Tensor, num_sms: int, variant: str) -> torch.Tensor:
+    """The ``"current"``, ``"older"`` and ``"nv_dev"`` schedules: units by request, atom, then split."""
     atoms = (next_n + 1) // 2
     units = segs * atoms
     ends = torch.cumsum(units, 0)  # ends[b]: units of requests 0..b
     before = _prepend_zero(ends)  # before[b]: units of requests 0..b-1; before[batch]: all
+    batch = segs.shape[0]
     total = before[batch]
     quota, extra = total // num_sms, total % num_sms
     if variant == "older":

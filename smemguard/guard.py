@@ -1,11 +1,12 @@
 """Installing and removing the guard: idempotent, under one lock, all or nothing.
 
 If Triton is not imported yet, :func:`install` registers a post-import hook and patches
-when it is. The patch modules are listed once, in :data:`smemguard.patches.MODULES`, and all
-follow one contract (see :mod:`smemguard.patches`):
+when it is. Installing builds the engine (:class:`smemguard.engine.Engine`) and hands it to every
+patch; uninstalling closes it. The patch modules are listed once, in :data:`smemguard.patches.MODULES`,
+and each declares its :class:`~smemguard.patches.Patch` (see :mod:`smemguard.patches`):
 
-* the Triton patches are applied together; any failure rolls back what was patched, logs one
-  line and leaves Triton as it was (``strict`` mode raises instead);
+* the Triton patches are applied each on its own; one that fails is rolled back, logs one line and
+  leaves its target as it was (``strict`` mode rolls back all and raises instead);
 * each library patch is applied when one of its modules is imported (now, or later through a
   post-import hook); an unsupported version or a failure logs one line and leaves that
   library untouched. It never raises into the user's import.
@@ -19,12 +20,13 @@ import threading
 
 from . import metrics, runtime, settings as settings_module, versions
 from ._version import __version__
+from .engine import Engine
 from .settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
 _lock = threading.RLock()
-_active: Settings | None = None  # the settings the guard was installed with
+_active: Engine | None = None  # the engine of the install
 _pending: Settings | None = None  # waiting for "import triton"
 _guarding_triton = False  # some Triton patch applied (the library patches apply whatever Triton's fate)
 _hook_registered = False
@@ -32,96 +34,84 @@ _library_hooks_registered = False
 _reported_problems: set[str] = set()
 
 
-def _wanted(module, settings: Settings) -> bool:
-    return (module.__name__.rsplit(".", 1)[-1] not in settings.disabled and module.applies(settings)
-            and (module.OBSERVE_SAFE or not settings.observe_only))
+def _wanted(patch, settings: Settings) -> bool:
+    return (patch.name not in settings.disabled and patch.applies(settings)
+            and (patch.observe_safe or not settings.observe_only))
 
 
-def _context(settings: Settings):
-    from .patches import PatchContext
-
-    return PatchContext(settings, _on_out_of_resources, _remembered_compile, _on_warmup, _on_inductor_overflow,
-                        _on_inductor_load, _on_compiled)
-
-
-def _admitted(module, settings: Settings) -> bool:
-    """Whether the installed release of the module's package may be patched: refused below the oldest release
+def _admitted(patch, settings: Settings) -> bool:
+    """Whether the installed release of the patch's package may be patched: refused below the oldest release
     read (one line); above the newest checked, applied unverified (one info line), except in strict mode."""
-    name = _short(module)
-    refusal = module.SUPPORTED.refusal()
+    refusal = patch.supported.refusal()
     if refusal is not None:
-        runtime.warn_once(log, ("unsupported", name), "smemguard: %s; %s is left untouched and runs unguarded. "
-                          "Fix: upgrade %s or smemguard.", refusal, module.TARGET, module.SUPPORTED.name)
+        runtime.warn_once(log, ("unsupported", patch.name), "smemguard: %s; %s is left untouched and runs unguarded. "
+                          "Fix: upgrade %s or smemguard.", refusal, patch.target, patch.supported.name)
         return False
-    unverified = module.SUPPORTED.unverified()
+    unverified = patch.supported.unverified()
     if unverified is not None and settings.mode == "strict":
-        runtime.warn_once(log, ("unverified", name), "smemguard: %s; %s is not applied (SMEMGUARD=strict refuses "
-                          "unverified patches) and %s runs unguarded", unverified, name, module.TARGET)
+        runtime.warn_once(log, ("unverified", patch.name), "smemguard: %s; %s is not applied (SMEMGUARD=strict "
+                          "refuses unverified patches) and %s runs unguarded", unverified, patch.name, patch.target)
         return False
     return True
 
 
-def _short(module) -> str:
-    return module.__name__.rsplit(".", 1)[-1]
-
-
-def _note_applied(module, *, announce: bool = True) -> None:
-    """Remember the module as applied (for the install line, the records and ``smemguard versions``); one info
+def _note_applied(patch, *, announce: bool = True) -> None:
+    """Remember the patch as applied (for the install line, the records and ``smemguard versions``); one info
     line when it applied unverified (the Triton patches say it once, on the install line)."""
-    unverified = module.SUPPORTED.unverified()
-    runtime.note_patch(_short(module), module.SUPPORTED.name, versions.installed(module.SUPPORTED.package),
+    unverified = patch.supported.unverified()
+    runtime.note_patch(patch.name, patch.supported.name, versions.installed(patch.supported.package),
                        unverified is None)
     if unverified is not None and announce:
-        runtime.warn_once(log, ("applied unverified", _short(module)), "smemguard: %s applied unverified: %s; its "
-                          "patch-time checks passed (records say verified: false)", _short(module), unverified,
+        runtime.warn_once(log, ("applied unverified", patch.name), "smemguard: %s applied unverified: %s; its "
+                          "patch-time checks passed (records say verified: false)", patch.name, unverified,
                           level=logging.INFO)
 
 
-def _patch_library(module, reason: str) -> None:
+def _patch_library(patch, reason: str) -> None:
     """Apply one library patch; never raises (it may run inside the user's import)."""
-    if not _wanted(module, _active) or not _admitted(module, _active):
+    if not _wanted(patch, _active.settings) or not _admitted(patch, _active.settings):
         return
     try:
-        module.patch(_context(_active))
+        patch.patch(_active)
     except Exception:
-        log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", module.__name__, reason,
+        log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", patch.name, reason,
                     exc_info=True)
-        _roll_back(module)
+        _roll_back(patch)
         return
-    if module.is_patched():
-        _note_applied(module)
+    if patch.is_patched():
+        _note_applied(patch)
 
 
-def _roll_back(module) -> None:
+def _roll_back(patch) -> None:
     try:
-        module.unpatch()
+        patch.unpatch()
     except Exception:
-        log.debug("smemguard: rollback of %s failed", module.__name__, exc_info=True)
+        log.debug("smemguard: rollback of %s failed", patch.name, exc_info=True)
 
 
 def _watch_libraries() -> None:
     """Patch known libraries whose modules are imported, now and whenever one is imported later."""
     global _library_hooks_registered
-    from .patches import library_modules
+    from .patches import library_patches
 
     if _library_hooks_registered:  # hooks cannot be removed; they did nothing while the guard was not installed
-        for module in library_modules():
-            if any(target in sys.modules for target in module.TARGET_MODULES):
-                _patch_library(module, "already imported")
+        for patch in library_patches():
+            if any(target in sys.modules for target in patch.modules):
+                _patch_library(patch, "already imported")
         return
     import wrapt  # a hook registered for a module already imported runs at once: that patches it now
 
-    def hook_for(patch_module):
+    def hook_for(patch):
         def on_import(imported) -> None:
             with _lock:
                 if _active is not None:
-                    _patch_library(patch_module, f"on import of {imported.__name__}")
+                    _patch_library(patch, f"on import of {imported.__name__}")
 
         return on_import
 
-    for module in library_modules():
-        for target in module.TARGET_MODULES:
-            wrapt.register_post_import_hook(hook_for(module), target)
+    for patch in library_patches():
+        for target in patch.modules:
+            wrapt.register_post_import_hook(hook_for(patch), target)
     _library_hooks_registered = True
 
 
@@ -132,99 +122,30 @@ def _fail(message: str, settings: Settings) -> bool:
     return False
 
 
-def _remembered_compile(jit, source, device, options, *, launching):
-    from . import recovery
-
-    settings = _active
-    return (recovery.remembered_compile(jit, source, device, options, settings, launching=launching)
-            if settings is not None else None)
-
-
-def _on_warmup(kernel, grid, args, kwargs, compiled):
-    from . import recovery
-
-    settings = _active
-    if settings is None:
-        return compiled
-    with runtime.engine_compiling.scope():
-        return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, settings)
-
-
-def _on_compiled(compile_fn, args, kwargs, kernel):
-    """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`smemguard.compile_fit`).
-    Never raises."""
-    from . import compile_fit
-
-    settings = _active
-    return kernel if settings is None else compile_fit.fit(compile_fn, args, kwargs, kernel, settings)
-
-
-def _on_inductor_overflow(autotuner, error, configs) -> bool | None:
-    """True when variants that fit were loaded; False when none fits (or ``error`` is not an overflow);
-    None when smemguard has no answer (uninstalled, or its own error). Never raises."""
-    from . import inductor
-
-    settings = _active
-    if settings is None:
-        return None
-    try:
-        with runtime.engine_compiling.scope():
-            return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs, settings)
-    except Exception:
-        runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a torch.compile "
-                            "kernel; Inductor's own error is raised (smemguard's bug: please report it)",
-                            exc_info=True)
-        return None
-
-
-def _on_inductor_load(autotuner) -> None:
-    """Replace the compile results of ``autotuner`` that the decision cache holds a fitting variant of. Never raises."""
-    from . import inductor
-
-    settings = _active
-    if settings is None:
-        return
-    try:
-        with runtime.engine_compiling.scope():
-            inductor.load_remembered(autotuner, settings)
-    except Exception:
-        runtime.warn_once(log, ("inductor", "internal"),
-                          "smemguard: internal error while applying a stored decision to "
-                          "a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: please report it)",
-                          exc_info=True)
-
-
-def _on_out_of_resources(kernel, grid, args, kwargs, error, again):
-    from . import recovery
-
-    settings = _active
-    if settings is None:  # uninstalled while another tool's layer kept our launcher alive
-        raise error
-    return recovery.handle(kernel, grid, args, kwargs, error, settings, again)
-
-
 def _patch(settings: Settings) -> bool:
     """Apply every Triton patch that is wanted and admitted, each on its own: one that is refused or fails
     leaves its target untouched (one line), and the others, and the library patches, still apply. True when
     some Triton patch applied; strict mode raises where a patch was refused or failed."""
     global _active, _guarding_triton
-    from .patches import TRITON, triton_modules
+    from .patches import TRITON, triton_patches
 
     version = runtime.triton_version()
     problems = [problem for problem in (TRITON.refusal(), TRITON.unverified() if settings.mode == "strict" else None)
                 if problem is not None]
+    engine = Engine(settings)
     if not problems:
-        problems = _patch_triton(settings, version)
+        problems = _patch_triton(engine, version)
     if problems and settings.mode == "strict":
-        for module in reversed(triton_modules()):
-            _roll_back(module)
+        for patch in reversed(triton_patches()):
+            _roll_back(patch)
+        engine.close()
         runtime.forget_patches()
         raise SettingsError(f"smemguard {__version__}: {'; '.join(problems)}; Triton is left untouched (strict mode)")
     for problem in problems:
         log.warning("smemguard %s: %s; %s", __version__, problem, "those targets are left untouched"
                     if runtime.applied_patches() else "Triton is left untouched and kernels run unguarded. "
                     "Fix: upgrade Triton or smemguard.")
-    _active = settings
+    _active = engine
     runtime.set_installed_settings(settings)
     _guarding_triton = bool(runtime.applied_patches())
     metrics.configure(settings)
@@ -234,26 +155,25 @@ def _patch(settings: Settings) -> bool:
     return _guarding_triton
 
 
-def _patch_triton(settings: Settings, version: str) -> list[str]:
+def _patch_triton(engine: Engine, version: str) -> list[str]:
     """Apply the Triton patches one by one; the problems of those that failed (each rolled back)."""
-    from .patches import triton_modules
+    from .patches import triton_patches
 
-    context = _context(settings)
     failed = []
-    for module in triton_modules():
-        if not _wanted(module, settings):
+    for patch in triton_patches():
+        if not _wanted(patch, engine.settings):
             continue
-        if not module.SUPPORTED.admits(version):
-            log.debug("smemguard: %s needs Triton %s; not applied", module.TARGET, module.SUPPORTED)
+        if not patch.supported.admits(version):
+            log.debug("smemguard: %s needs Triton %s; not applied", patch.target, patch.supported)
             continue
         try:
-            module.patch(context)
+            patch.patch(engine)
         except Exception as error:
-            _roll_back(module)
-            failed.append(f"could not patch Triton {version}: {_short(module)} ({type(error).__name__}: {error})")
-            log.debug("smemguard: could not patch %s", module.TARGET, exc_info=True)
+            _roll_back(patch)
+            failed.append(f"could not patch Triton {version}: {patch.name} ({type(error).__name__}: {error})")
+            log.debug("smemguard: could not patch %s", patch.target, exc_info=True)
             continue
-        _note_applied(module, announce=False)
+        _note_applied(patch, announce=False)
     return failed
 
 
@@ -327,25 +247,27 @@ def uninstall() -> None:
     """Remove what :func:`install` added; safe to call at any time, any number of times."""
     global _active, _pending, _guarding_triton
     with _lock:
-        _pending = None
-        _active = None
+        engine, _pending, _active = _active, None, None
         runtime.set_installed_settings(None)
         _guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
             return  # nothing was patched yet, and removing nothing must not import Triton
-        from . import recovery
-        from .patches import modules
+        from .patches import all_patches
 
-        recovery.forget()
-        if "smemguard.wrapper_tiles" in sys.modules:  # a library declared its tile choices: forget what they learnt
-            sys.modules["smemguard.wrapper_tiles"].forget()
+        if engine is not None:
+            engine.close()
         runtime.forget_patches()
-        for module in reversed(modules()):
+        for patch in reversed(all_patches()):
             try:
-                module.unpatch()
+                patch.unpatch()
             except Exception:
-                log.warning("smemguard: could not remove the patch of %s", module.__name__, exc_info=True)
+                log.warning("smemguard: could not remove the patch of %s", patch.name, exc_info=True)
+
+
+def installed_engine() -> Engine | None:
+    """The engine of the install in force, None while none is (or until ``import triton``)."""
+    return _active
 
 
 def is_installed() -> bool:
@@ -357,4 +279,4 @@ def is_installed() -> bool:
             return False
     from .patches import kernel_interface
 
-    return kernel_interface.is_patched()
+    return kernel_interface.PATCH.is_patched()

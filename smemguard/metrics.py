@@ -1,7 +1,8 @@
 """Prometheus metrics of incidents: live series for ``/metrics``, a node_exporter textfile, and the
 same series counted from incident files (``smemguard report --format prometheus``).
 
-Every series is derived from an incident record (:func:`labels_of`), so the three agree:
+Every series is derived from an incident record (:func:`labels_of`, its label fields those
+``smemguard.incidents.FIELDS`` gives metrics), so the three agree:
 
 * ``smemguard_incidents_total{kernel, resource, action, gpu}``: records written;
 * ``smemguard_recovery_seconds{kernel}``: histogram of the records' ``recovery_ms``;
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from . import files, runtime
+from . import files, incidents, runtime
 from ._version import __version__
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,10 @@ INCIDENTS = "smemguard_incidents"
 RECOVERY = "smemguard_recovery_seconds"
 REMEMBERED = "smemguard_remembered"
 INFO = "smemguard_info"
-INCIDENT_LABELS = ("kernel", "resource", "action", "gpu")
+#: The record fields that label smemguard_incidents_total, in the declaration's order; ``device`` is labelled by its
+#: GPU's name (``gpu``): a device object is no label value.
+LABEL_FIELDS = incidents.fields_read_by("metrics", incidents.LABEL)
+INCIDENT_LABELS = tuple("gpu" if name == "device" else name for name in LABEL_FIELDS)
 INFO_LABELS = ("version", "triton", "mode", "limit")
 #: A textfile holds a few lines per kernel; one larger than this is not smemguard's.
 MAX_TEXTFILE = 8 * 2**20
@@ -69,13 +73,13 @@ _watching = False  # the post-import hook on prometheus_client is registered
 
 def labels_of(record: dict) -> dict[str, str]:
     """The labels of ``smemguard_incidents_total`` for one record (the others take its ``kernel``)."""
+    labels = {name: str(record.get(name, "?")) for name in LABEL_FIELDS if name != "device"}
     device = record.get("device")
     if isinstance(device, dict):
-        gpu = device.get("name") or f"{device.get('backend', '?')}:{device.get('arch', '?')}"
+        labels["gpu"] = device.get("name") or f"{device.get('backend', '?')}:{device.get('arch', '?')}"
     else:  # the DeepGEMM patch's records name no device
-        gpu = "unknown"
-    return {"kernel": str(record.get("kernel", "?")), "resource": str(record.get("resource", "?")),
-            "action": str(record.get("action", "?")), "gpu": gpu}
+        labels["gpu"] = "unknown"
+    return labels
 
 
 def _recovery_seconds(record: dict) -> float | None:

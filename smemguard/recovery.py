@@ -1,9 +1,9 @@
 """What smemguard does when a guarded launch raises ``OutOfResources``: recover it, or re-raise it.
 
-:func:`handle` resolves the launch (:mod:`smemguard.launch`), takes a decision once per
-failing compiled kernel (remembered from another process, :mod:`smemguard.decisions`, or
-found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by :mod:`smemguard.recall`),
-writes the incident record
+:func:`handle` (called by the engine, :mod:`smemguard.engine`, with the decisions of its install) resolves the
+launch (:mod:`smemguard.launch`), takes a decision once per failing compiled kernel (remembered from another
+process, :mod:`smemguard.decisions`, or found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by
+:mod:`smemguard.recall`), writes the incident record
 (:mod:`smemguard.incidents`) and applies the decision. Concurrent threads meeting the same
 failure wait for one decision under a lock and all apply it.
 
@@ -35,13 +35,6 @@ from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unkn
 log = logging.getLogger(__name__)
 
 
-# launched object -> {(compile hash of the failing kernel, device, limit, tuning key, fallback): case}.
-# Keyed by what was compiled, not by the kernel object: concurrent first launches each
-# compile their own copy. Entries go with the kernel object they belong to.
-_cases: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_cases_guard = threading.Lock()
-
-
 @dataclass
 class _Case:
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -49,20 +42,25 @@ class _Case:
     recorded: bool = True  # False: re-raised for a declared wrapper that chose again and recorded the outcome
 
 
-def _case_for(launch: Launch, failing) -> _Case:
-    device = runtime.current_device()
-    key = (failing.hash, device, runtime.effective_limit(device), launch.tuning_key,
-           registry.fallback_for(launch.jit))
-    with _cases_guard:
-        return _cases.setdefault(launch.launched, {}).setdefault(key, _Case())
+class Decided:
+    """The decisions one install took: launched object -> {(compile hash of the failing kernel, device, limit,
+    tuning key, fallback): case}. Keyed by what was compiled, not by the kernel object: concurrent first launches
+    each compile their own copy. Entries go with the kernel object they belong to."""
 
+    def __init__(self):
+        self._cases: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
 
-def forget() -> None:
-    """Drop every decision taken in this process and every kernel smemguard put into Triton's JIT
-    caches (``uninstall`` does): the next launch compiles what its caller asked for."""
-    with _cases_guard:
-        _cases.clear()
-    runtime.drop_replacements()
+    def case_for(self, launch: Launch, failing) -> _Case:
+        device = runtime.current_device()
+        key = (failing.hash, device, runtime.effective_limit(device), launch.tuning_key,
+               registry.fallback_for(launch.jit))
+        with self._lock:
+            return self._cases.setdefault(launch.launched, {}).setdefault(key, _Case())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cases.clear()
 
 
 def remembered_compile(jit, source, device: int, options, settings, *, launching: bool) -> dict | None:
@@ -127,7 +125,7 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
     return decision
 
 
-def handle_warmup(launched, grid, args, kwargs, compiled, settings):
+def handle_warmup(launched, grid, args, kwargs, compiled, settings, decided: Decided):
     """``launched.warmup(...)`` compiled ``compiled``: when it will not fit, decide its replacement now
     and return that (it is in the JIT cache for the first launch). Never raises: a warm-up whose
     kernel stays as it was is decided at its first launch instead."""
@@ -141,7 +139,7 @@ def handle_warmup(launched, grid, args, kwargs, compiled, settings):
         launch = resolve(launched, grid, args, kwargs)
         if launch is None or launch.tuner is not None:  # timing a tuner's candidates would launch them
             return compiled
-        case = _case_for(launch, compiled)
+        case = decided.case_for(launch, compiled)
         with case.lock:
             if case.decision is None:
                 described = incidents.described_args(launch)
@@ -167,7 +165,7 @@ def _layer_name(launched) -> str:
         return type(launched).__qualname__
 
 
-def handle(launched, grid, args, kwargs, error, settings, again):
+def handle(launched, grid, args, kwargs, error, settings, again, decided: Decided):
     """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
     ``again()`` runs the launch once more as it was asked (through every layer of the guarded call).
 
@@ -175,10 +173,10 @@ def handle(launched, grid, args, kwargs, error, settings, again):
     around all of it); what it decides to run (the relaunch, the user's fallback) runs outside it, so
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
-    saved work, the recovered launch."""
+    saved work, the recovered launch. ``decided``: the decisions of the install, one per failing kernel."""
     stored = recall.stored(error)
     if stored is not None:
-        return _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stored)
+        return _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided, stored)
     started = time.perf_counter()
     steps = Steps(_layer_name(launched))
     launch = failing = None
@@ -187,7 +185,7 @@ def handle(launched, grid, args, kwargs, error, settings, again):
             launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
             if launch is not None:
                 failing = steps.run("compile the failing launch", launch.compile)
-            run = _recover(launched, launch, failing, error, settings, steps, started)
+            run = _recover(launched, launch, failing, error, settings, decided, steps, started)
     except StepFailed:
         run = None
     except Exception:
@@ -202,7 +200,8 @@ def handle(launched, grid, args, kwargs, error, settings, again):
     return run()
 
 
-def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stored: tuple[str, dict]):
+def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided: Decided,
+                      stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
     another config (:func:`smemguard.recall.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
@@ -225,10 +224,11 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, stor
             return again()
     except OutOfResources as real:
         real_error = real
-    return handle(launched, grid, args, kwargs, real_error, settings, again)
+    return handle(launched, grid, args, kwargs, real_error, settings, again, decided)
 
 
-def _recover(launched, launch: Launch | None, failing, error, settings, steps: Steps, started: float):
+def _recover(launched, launch: Launch | None, failing, error, settings, decided: Decided, steps: Steps,
+             started: float):
     """What runs for the failed launch (see :func:`_plan`), with its decision taken and recorded."""
     if launch is None:
         action = OBSERVED if settings.observe_only else RERAISED
@@ -245,7 +245,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, steps: S
     # Another thread already put a kernel that fits in its place.
     if steps.run("check the kernel in the JIT cache", lambda: check(failing)[0], otherwise=lambda: False):
         return launch.relaunch
-    case = steps.run("find the case", _case_for, launch, failing, otherwise=_Case)
+    case = steps.run("find the case", decided.case_for, launch, failing, otherwise=_Case)
     with case.lock:
         if case.decision is None:
             # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.

@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from . import decisions, gpus, introspect, untrusted
+from . import decisions, gpus, incidents, introspect, untrusted
 from .report import Problems, Record, read
 from .settings import Settings
 from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
@@ -103,8 +103,9 @@ DESCRIPTOR = {"base": OBJECT, "shape": _bounded_list(MAX_EXTENT), "strides": _bo
 _SCALAR = Expect("a number (a 64-bit integer), true/false, text or null", lambda value: SCALAR.test(value) and (
     not isinstance(value, int) or -MAX_INT - 1 <= value <= MAX_INT))
 
-#: What replay reads from a record (docs/INCIDENTS.md); ``args`` entries are checked by :func:`_argument_problems`.
-REQUIRED = {
+#: How replay checks each field it reads from a record; smemguard.incidents.FIELDS says which a record must have.
+#: ``args`` entries are checked by :func:`_argument_problems`.
+CHECKS = {
     "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
     "args": OBJECT,
     "constexprs": Expect("an object of constexpr values (64-bit integers, numbers, text, true/false or null)",
@@ -119,9 +120,12 @@ REQUIRED = {
     "required": _bounded(MAX_INT),
     "limit_hit": _bounded(MAX_INT, 1),
     "device": OBJECT,
+    "id": TEXT,
+    "source": TEXT,
+    "limit": Expect("an object {device, emulated} of byte counts", lambda value: isinstance(value, dict) and all(
+        _bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))),
 }
-OPTIONAL = {"id": TEXT, "source": TEXT, "limit": Expect("an object {device, emulated} of byte counts", lambda value: (
-    isinstance(value, dict) and all(_bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))))}
+REQUIRED, OPTIONAL = incidents.required_and_optional("replay", CHECKS)
 
 
 def _known_arch(value) -> bool:

@@ -135,11 +135,12 @@ DEVICE_FIELDS = {"name": TEXT.or_null(), "backend": TEXT, "arch": Expect("an int
 SCHEMA = Expect(f"{incidents.SCHEMA}, the schema this smemguard reads", lambda value: (
     untrusted.integer().test(value) and value == incidents.SCHEMA))
 
-#: Without these a line is not an incident record the report can count.
-REQUIRED = {"kernel": NAME, "action": NAME}
-
-#: Fields the report reads when present; a wrong one is left out of the report (and listed), the record counted.
-OPTIONAL = {
+#: How the report checks each field it reads; smemguard.incidents.FIELDS says which a record must have. Without a
+#: required one a line is not an incident record the report can count; a wrong optional one is left out of the
+#: report (and listed), the record counted.
+CHECKS = {
+    "kernel": NAME,
+    "action": NAME,
     "resource": NAME,
     "time": Expect(f"a time like {datetime(2026, 11, 30, 8, tzinfo=timezone.utc).strftime(TIME_FORMAT)}",
                    lambda value: _time(value) is not None),
@@ -149,6 +150,7 @@ OPTIONAL = {
         NUMBER.test(value) and value <= 86_400_000)),
     "args": Expect("an object of arguments, tensors' shapes lists of integers", _arguments),
 }
+REQUIRED, OPTIONAL = incidents.required_and_optional("report", CHECKS)
 
 
 @dataclass(frozen=True)

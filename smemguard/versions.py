@@ -1,7 +1,7 @@
 """Versions of the packages smemguard patches: one parser, and supported ranges as data.
 
-Every patch module declares ``SUPPORTED = Supported("triton", (3, 4), (3, 9))``: the oldest and the
-newest release whose internals it was read and tested against. The installer checks it before the
+Every patch declares ``supported=Supported("triton", (3, 4), (3, 9))``: the oldest and the newest release
+whose internals it was read and tested against. The installer checks it before the
 module touches anything (:mod:`smemguard.guard`): older releases are refused, newer ones applied
 unverified (see :class:`Supported`).
 """
@@ -121,10 +121,10 @@ def patch_versions() -> list[PatchVersions]:
     from . import patches
 
     rows = []
-    for module in patches.modules():
-        package = module.SUPPORTED.package
+    for patch in patches.all_patches():
+        package = patch.supported.package
         version = installed(package) if package in sys.modules else _distribution_version(package)
-        rows.append(PatchVersions(module.__name__.rsplit(".", 1)[-1], module.TARGET, module.SUPPORTED, version))
+        rows.append(PatchVersions(patch.name, patch.target, patch.supported, version))
     return rows
 
 

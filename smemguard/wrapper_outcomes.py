@@ -2,7 +2,8 @@
 incident record and warning line: smaller tiles that fit; or, where not even the smallest declared tiles fit, the
 wrapper's fallback (a torch computation of the same result, which a pack that knows the op supplies) or the caller's
 own error, with a note naming the wrapper and its line, the tiles, the bytes the smallest still needs, and the exact
-call that would let it run here."""
+call that would let it run here. The tiles that fit are kept in the decision cache (table ``tiles``), where the next
+process recalls them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-from . import incidents, introspect, runtime
+from . import decisions, incidents, introspect, runtime
 from .decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
 from .internal import Steps
 from .launch import Attempt
+
+#: The decision cache's table of the tiles declared wrappers learnt.
+TABLE = "tiles"
 
 
 @dataclasses.dataclass
@@ -39,6 +43,18 @@ class Outcome:
                      "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
                      self.kernel, SHARED, self.error.required, self.error.limit, self.failed[0].config,
                      " ".join(f"{name}={value}" for name, value in self.shape), self.name, chosen)
+        self._remember(final)
+
+    def _remember(self, final: tuple) -> None:
+        """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
+        store = self.steps.run("open the decision cache", decisions.store, self.settings.cache_dir,
+                               otherwise=lambda: None)
+        if store is not None:
+            case, device = _case(self.declaration, self.name, self.shape), runtime.current_device()
+            self.steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
+                case, action=TILES_REDUCED, final=self.declaration.label(final), from_config=self.failed[0].config,
+                gpu=decisions.gpu_label(device), resource=SHARED, required=self.error.required,
+                value=_as_stored(final)), otherwise=lambda: None)
 
     @property
     def kernel(self) -> str:
@@ -124,3 +140,40 @@ def _site(wrapper: Callable, error: BaseException) -> str:
             found = f"{code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
     return found or (f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "?")
+
+
+def tiles_stored(settings) -> bool:
+    """Whether the decision cache holds any learnt tiles; raises when it cannot be read."""
+    store = decisions.store(settings.cache_dir)
+    return store is not None and store.holds(TABLE)
+
+
+def stored_tiles(declaration, wrapper: str, shape: tuple) -> tuple | None:
+    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
+    settings = runtime.installed_settings()
+    store = decisions.store(settings.cache_dir) if settings is not None else None
+    if store is None or not store.holds(TABLE):
+        return None
+    entry = store.get(TABLE, decisions.case_id(_case(declaration, wrapper, shape)))
+    return _from_store(declaration, entry["value"]) if entry is not None else None
+
+
+def _case(declaration, wrapper: str, shape: tuple) -> dict:
+    """What identifies learnt tiles to other processes: the wrapper, the kernel's source, the declaration,
+    the shape class, and this device's Triton, arch and limit."""
+    return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, declaration.jits)),
+            "source_hash": ",".join(map(introspect.source_hash, declaration.jits)), "choice": declaration.name,
+            "tile": ",".join(declaration.tiles),
+            "shape": [list(pair) for pair in shape], **decisions.on_device(runtime.current_device())}
+
+
+def _as_stored(tiles: tuple) -> int | list[int]:
+    """How the decision cache holds the tiles (one tile as a number, as entries written before several)."""
+    return tiles[0] if len(tiles) == 1 else list(tiles)
+
+
+def _from_store(declaration, value) -> tuple | None:
+    tiles = (value,) if type(value) is int else tuple(value) if type(value) is list else ()
+    fits = len(tiles) == len(declaration.tiles) and all(
+        type(tile) is int and tile >= declaration.smallest for tile in tiles)
+    return tiles if fits else None

@@ -44,14 +44,12 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import decisions, introspect, runtime, wrapper_outcomes
-from .decision import SHARED, TILES_REDUCED
+from . import introspect, runtime, wrapper_outcomes
+from .decision import SHARED
 from .internal import StepFailed, Steps
 from .launch import Attempt
 
 log = logging.getLogger(__name__)
-
-TABLE = "tiles"
 
 
 @dataclasses.dataclass
@@ -155,23 +153,6 @@ class _Declaration:
     def label(self, tiles: tuple) -> str:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
 
-    def stored(self, tiles: tuple) -> int | list[int]:
-        """How the decision cache holds the tiles (one tile as a number, as entries written before several)."""
-        return tiles[0] if len(tiles) == 1 else list(tiles)
-
-    def from_store(self, value) -> tuple | None:
-        tiles = (value,) if type(value) is int else tuple(value) if type(value) is list else ()
-        fits = len(tiles) == len(self.tiles) and all(type(tile) is int and tile >= self.smallest for tile in tiles)
-        return tiles if fits else None
-
-    def case(self, wrapper: str, shape: tuple) -> dict:
-        """What identifies learnt tiles to other processes: the wrapper, the kernel's source, the declaration,
-        the shape class, and this device's Triton, arch and limit."""
-        return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, self.jits)),
-                "source_hash": ",".join(map(introspect.source_hash, self.jits)), "choice": self.name,
-                "tile": ",".join(self.tiles),
-                "shape": [list(pair) for pair in shape], **decisions.on_device(runtime.current_device())}
-
     def _key(self, wrapper: str, shape: tuple) -> tuple:
         device = runtime.current_device()
         limit = self._limits.get(device)
@@ -184,7 +165,7 @@ class _Declaration:
         known = self._known.get(key, _UNKNOWN)  # one dict read, atomic: the lock only orders the writers
         if known is not _UNKNOWN:
             return known
-        stored = _stored(self, wrapper, shape)
+        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape)
         with self._lock:
             return self._known.setdefault(key, stored)
 
@@ -332,8 +313,7 @@ def _in_use(settings) -> bool:
     global _tiles_in_use
     if _tiles_in_use is None:
         try:
-            store = decisions.store(settings.cache_dir)
-            _tiles_in_use = store is not None and store.holds(TABLE)
+            _tiles_in_use = wrapper_outcomes.tiles_stored(settings)
         except Exception:  # no store to read: only what this process learns
             log.debug("smemguard: could not read the decision cache for tiles", exc_info=True)
             _tiles_in_use = False
@@ -437,7 +417,6 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
             raise error  # a later launch failed after the kernel ran: the call is not run again
         tiles = step[2]
     outcome.reduced(smaller)
-    _remember(name, declaration, shape, failed[0].config, smaller, original, settings, steps)
     return result
 
 
@@ -499,24 +478,3 @@ def _failed_launch(error) -> tuple[Any, dict]:
         tb = tb.tb_next
     return found, launched
 
-
-def _stored(declaration: _Declaration, wrapper: str, shape: tuple) -> tuple | None:
-    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
-    settings = runtime.installed_settings()
-    store = decisions.store(settings.cache_dir) if settings is not None else None
-    if store is None or not store.holds(TABLE):
-        return None
-    entry = store.get(TABLE, decisions.case_id(declaration.case(wrapper, shape)))
-    return declaration.from_store(entry["value"]) if entry is not None else None
-
-
-def _remember(wrapper: str, declaration: _Declaration, shape: tuple, launched: str, final: tuple, error, settings,
-              steps: Steps) -> None:
-    """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
-    store = steps.run("open the decision cache", decisions.store, settings.cache_dir, otherwise=lambda: None)
-    if store is not None:
-        case, device = declaration.case(wrapper, shape), runtime.current_device()
-        steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
-            case, action=TILES_REDUCED, final=declaration.label(final), from_config=launched,
-            gpu=decisions.gpu_label(device), resource=SHARED, required=error.required,
-            value=declaration.stored(final)), otherwise=lambda: None)

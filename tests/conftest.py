@@ -20,7 +20,8 @@ os.environ["TRITON_HOME"] = _CACHES
 import pytest  # noqa: E402
 
 import smemguard  # noqa: E402
-from smemguard import guard, runtime  # noqa: E402
+from smemguard import runtime  # noqa: E402
+from smemguard.engine import Engine  # noqa: E402
 from smemguard.settings import Settings  # noqa: E402
 
 
@@ -75,9 +76,9 @@ def _never_leave_the_guard_installed():
         pytest.fail("a test left smemguard installed")
 
 
-def patch_context(settings: Settings | None = None):
-    """The context the installer hands a patch module, for tests that apply one module directly."""
-    return guard._context(settings or Settings())
+def engine(settings: Settings | None = None) -> Engine:
+    """The engine the installer hands a patch, for tests that apply one patch directly."""
+    return Engine(settings or Settings())
 
 
 def records(path: Path) -> list[dict]:

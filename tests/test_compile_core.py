@@ -126,7 +126,7 @@ def test_smemguards_own_search_is_seen_by_the_threads_it_compiles_on():
 def test_observe_mode_leaves_every_binding_of_triton_compile_untouched(install_guard):
     bindings = (triton.compile, triton.compiler.compile, compiler.compile)
     install_guard(core=True, mode="observe")
-    assert not triton_compile.is_patched()
+    assert not triton_compile.PATCH.is_patched()
     assert (triton.compile, triton.compiler.compile, compiler.compile) == bindings
 
 
@@ -161,7 +161,7 @@ def test_every_torch_patch_applies_when_inductor_is_imported_as_torch_compile_im
         import torch._inductor.compile_fx, torch._inductor.kernel.flex.flex_attention  # what torch.compile loads
         from smemguard.patches import inductor_cache_key, inductor_flex_configs, inductor_launchers
         from smemguard.patches import inductor_static_launcher
-        print([m.is_patched() for m in (inductor_launchers, inductor_static_launcher, inductor_flex_configs,
+        print([m.PATCH.is_patched() for m in (inductor_launchers, inductor_static_launcher, inductor_flex_configs,
                                         inductor_cache_key)])
     """)
     assert result.stdout.split("\n")[-2] == "[True, True, True, True]", result.stderr

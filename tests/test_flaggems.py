@@ -237,12 +237,12 @@ def test_importing_flaggems_after_install_patches_it_and_uninstall_removes_it(tm
         from smemguard import layers, registry
         from smemguard.patches import flaggems
         smemguard.install()
-        assert not flaggems.is_patched()
+        assert not flaggems.PATCH.is_patched()
         import flag_gems  # the post-import hooks patch it here
         kernel = sys.modules["flag_gems.ops.mm"].mm_kernel_general
-        assert flaggems.is_patched() and layers.is_entry(kernel) and registry.fallback_for(kernel)
+        assert flaggems.PATCH.is_patched() and layers.is_entry(kernel) and registry.fallback_for(kernel)
         smemguard.uninstall()
-        assert not flaggems.is_patched() and not layers.is_entry(kernel) and not registry.fallback_for(kernel)
+        assert not flaggems.PATCH.is_patched() and not layers.is_entry(kernel) and not registry.fallback_for(kernel)
         print("ok")
     """, env={**FLAGGEMS_ENV, "FLAGGEMS_DB_URL": f"sqlite:///{tmp_path}/db"})
     assert out.stdout.strip().endswith("ok")

@@ -28,7 +28,7 @@ def test_install_uninstall_restores_exactly_the_originals():
     before = originals()
     assert smemguard.install(Settings(max_shared=101376))
     assert smemguard.is_installed()
-    assert kernel_interface.is_patched() and max_shared_mem.is_patched() and autotuner_bench.is_patched()
+    assert all(module.PATCH.is_patched() for module in (kernel_interface, max_shared_mem, autotuner_bench))
     assert all(a is not b for a, b in zip(before, originals()))
     smemguard.uninstall()
     assert not smemguard.is_installed()
@@ -96,7 +96,7 @@ def test_uninstall_removes_only_our_layer_under_another_tools():
         smemguard.uninstall()
         assert compiler.max_shared_mem is theirs
         assert theirs.__wrapped__ is original
-        assert not max_shared_mem.is_patched()
+        assert not max_shared_mem.PATCH.is_patched()
     finally:
         compiler.max_shared_mem = original
 
@@ -155,11 +155,11 @@ def test_a_failing_patch_is_rolled_back_alone(monkeypatch, caplog):
     def broken(context):
         raise AttributeError("KernelInterface has changed")
 
-    monkeypatch.setattr(kernel_interface, "patch", broken)
+    monkeypatch.setattr(kernel_interface.PATCH, "patch", broken)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
         assert smemguard.install(Settings(max_shared=65536)) is True
     assert jit.KernelInterface.__dict__["__getitem__"] is before[0], "the failing patch leaves its target untouched"
-    assert max_shared_mem.is_patched(), "one failing patch never switches off another"
+    assert max_shared_mem.PATCH.is_patched(), "one failing patch never switches off another"
     [line] = [r.getMessage() for r in caplog.records]
     assert "could not patch Triton" in line and "KernelInterface has changed" in line and "untouched" in line
     smemguard.uninstall()
@@ -225,8 +225,8 @@ def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog)
     with caplog.at_level(logging.INFO, logger="smemguard"):
         assert smemguard.install(settings)
     try:
-        assert kernel_interface.is_patched(), "the other patches still apply"
-        assert not autotuner_bench.is_patched() and not max_shared_mem.is_patched()
+        assert kernel_interface.PATCH.is_patched(), "the other patches still apply"
+        assert not autotuner_bench.PATCH.is_patched() and not max_shared_mem.PATCH.is_patched()
         [line] = [r.getMessage() for r in caplog.records if "SMEMGUARD_DISABLE" in r.getMessage()]
         assert line == ("smemguard: autotuner_bench, max_shared_mem left off by SMEMGUARD_DISABLE; their targets "
                         "are untouched")

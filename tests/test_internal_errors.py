@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from smemguard import decisions, incidents, ladder, launch, recall, recovery
+from smemguard import decisions, guard, incidents, ladder, launch, recall, recovery, runtime
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -48,7 +48,7 @@ PLAIN_KERNEL_STEPS = [
     ("resolve the launch", recovery, "resolve", failing_once, "raised"),
     ("compile the failing launch", launch.Launch, "compile", failing_once, "raised"),
     ("check the kernel in the JIT cache", recovery, "check", failing_once, "recovered"),
-    ("find the case", recovery, "_case_for", failing_once, "recovered"),
+    ("find the case", recovery.Decided, "case_for", failing_once, "recovered"),
     ("describe the arguments", incidents, "described_args", failing_once, "recovered"),
     ("open the decision store", decisions, "store", always_failing, "recovered"),
     ("key the stored decisions", decisions, "cases_for", always_failing, "recovered"),
@@ -92,7 +92,8 @@ def test_a_failing_recall_still_recovers_by_deciding_again(install_guard, incide
     install_guard(cache_dir=tmp_path / "cache", disabled=("jit_compile",))
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
         launch_it()
-    recovery.forget()
+    guard.installed_engine().decided.clear()  # a new process: nothing decided here yet
+    runtime.drop_replacements()
     monkeypatch.setattr(recall, "recall", always_failing(recall.recall))
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
         launch_it()

@@ -15,7 +15,7 @@ from smemguard.testing import fake_gpu
 from conftest import run_python
 from kernels import vllm_style_persistent_matmul
 
-VLLM_MODULE = vllm_batch_invariant.TARGET_MODULES[0]
+VLLM_MODULE = vllm_batch_invariant.PATCH.modules[0]
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(ins
     install_guard()
     assert registry.fallback_for(vllm_style_persistent_matmul) is None
     stand_in_vllm()  # post-import hooks fire once per process: everything below shares this import
-    assert vllm_batch_invariant.is_patched()
+    assert vllm_batch_invariant.PATCH.is_patched()
     a, b, bias = torch.randn(64, 256), torch.randn(256, 1), torch.randn(1)
     c = torch.full((64, 1), float("nan"))
     with fake_gpu("L20", max_shared=10**7, cache_dir=triton_cache):
@@ -71,7 +71,7 @@ def test_vllm_batch_invariant_kernel_reduces_stages_then_falls_back_to_torch(ins
             assert kernel.metadata.num_stages < 3 and gpu.launches[-1].num_stages == kernel.metadata.num_stages
         assert c.isnan().all(), "the stand-in GPU executes nothing: the Triton kernel ran, not the fallback"
     smemguard.uninstall()
-    assert not vllm_batch_invariant.is_patched() and registry.fallback_for(vllm_style_persistent_matmul) is None
+    assert not vllm_batch_invariant.PATCH.is_patched() and registry.fallback_for(vllm_style_persistent_matmul) is None
     if not stages_reduce:
         import triton
 
@@ -95,7 +95,7 @@ def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
         from smemguard.patches import vllm_batch_invariant
         smemguard.install()
         import {VLLM_MODULE}
-        print(vllm_batch_invariant.is_patched())
+        print(vllm_batch_invariant.PATCH.is_patched())
     """)
     assert result.stdout.split() == ["False"]
     assert "WARNING" not in result.stderr and "unexpected parameters" not in result.stderr
@@ -128,7 +128,7 @@ def test_flaggems_of_another_release_or_shape_is_left_unguarded_with_one_line(tm
         from smemguard.patches import flaggems
         smemguard.install()
         import flag_gems
-        print(flaggems.is_patched(), [kind.name for kind in layers.registered()])
+        print(flaggems.PATCH.is_patched(), [kind.name for kind in layers.registered()])
     """)
     assert result.stdout.split("\n")[0] == "False ['triton.Autotuner']"
     (line,) = [line for line in result.stderr.splitlines() if "FlagGems" in line]

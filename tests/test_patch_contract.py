@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from smemguard import patches
-from smemguard.versions import Supported
+from smemguard.versions import Supported, parse
 
 from conftest import run_python
 
@@ -147,14 +147,22 @@ def test_the_registry_lists_every_patch_module_once():
     assert sorted(patches.MODULES) == sorted(found) and len(set(patches.MODULES)) == len(patches.MODULES)
 
 
-@pytest.mark.parametrize("module", patches.modules(), ids=lambda module: module.__name__.rsplit(".", 1)[-1])
-def test_the_module_declares_the_contract(module):
-    assert isinstance(module.TARGET, str) and module.TARGET.count(".") >= 2
-    assert module.TARGET_MODULES and all(isinstance(name, str) for name in module.TARGET_MODULES)
-    assert isinstance(module.SUPPORTED, Supported) and module.SUPPORTED.low <= module.SUPPORTED.newest
-    assert isinstance(module.OBSERVE_SAFE, bool)
-    assert all(callable(getattr(module, name)) for name in ("applies", "patch", "unpatch", "is_patched"))
-    assert "Checked against" in module.__doc__ and ("Why" in module.__doc__ or "What" in module.__doc__)
+@pytest.mark.parametrize("name", patches.MODULES)
+def test_the_module_declares_the_contract(name):
+    module = importlib.import_module(f"smemguard.patches.{name}")
+    patch = module.PATCH
+    assert isinstance(patch, patches.Patch) and patch.name == name
+    assert isinstance(patch.target, str) and patch.target.count(".") >= 2
+    assert patch.modules and all(isinstance(target, str) for target in patch.modules)
+    assert isinstance(patch.supported, Supported) and patch.supported.low <= patch.supported.newest
+    assert isinstance(patch.observe_safe, bool)
+    # The releases read are data: the newest checked is the newest the range admits as verified, the oldest is
+    # at or above its low bound.
+    releases = [parse(version) for version in patch.checked]
+    assert releases and None not in releases and releases == sorted(releases), patch.checked
+    assert releases[-1] == patch.supported.newest and releases[0] >= patch.supported.low, patch.checked
+    assert "Checked against" not in module.__doc__, "the versions read are PATCH.checked, not docstring text"
+    assert "Why" in module.__doc__ or "What" in module.__doc__
 
 
 #: Modules that register with the engine (fallbacks, alternatives, tuner descriptions) and layer nothing.
@@ -167,18 +175,20 @@ SETTINGS = ("inductor_cache_key",)
 def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
     import triton
 
-    module = importlib.import_module(f"smemguard.patches.{name}")
-    if module.SUPPORTED.package == "triton" and not module.SUPPORTED.admits(triton.__version__):
-        pytest.skip(f"{name} needs Triton {module.SUPPORTED}; the installer does not apply it to {triton.__version__}")
+    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    if patch.supported.package == "triton" and not patch.supported.admits(triton.__version__):
+        pytest.skip(f"{name} needs Triton {patch.supported}; the installer does not apply it to {triton.__version__}")
     result = run_python(f"""
         import importlib, json, sys
         sys.path.insert(0, {str(stand_ins)!r})
         import triton
-        from smemguard import guard
+        from smemguard.engine import Engine
         from smemguard.patches import {name} as module
         from smemguard.settings import Settings
 
-        for target in module.TARGET_MODULES:
+        patch = module.PATCH
+
+        for target in patch.modules:
             try:
                 importlib.import_module(target)
             except ImportError:
@@ -186,7 +196,7 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
 
         # A target that moved between releases is named once per release (TARGETS): the one imported here.
         TARGET = next((name for name in getattr(module, "TARGETS", ()) if name.rsplit(".", 2)[0] in sys.modules),
-                      module.TARGET)
+                      patch.target)
 
         def target_object():
             path = TARGET.split(".")
@@ -199,22 +209,22 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
                     owner = getattr(owner, attribute)
                 return owner.__dict__.get(path[-1]) if isinstance(owner, type) else getattr(owner, path[-1])
 
-        context = guard._context(Settings(max_shared=65536))
+        engine = Engine(Settings(max_shared=65536))
         before = target_object()
         seen = []
         for step in {STEPS!r}:
-            module.patch(context) if step == "patch" else module.unpatch()
-            seen.append(module.is_patched())
+            patch.patch(engine) if step == "patch" else patch.unpatch()
+            seen.append(patch.is_patched())
         print(json.dumps({{"seen": seen, "restored": target_object() is before,
                           "changed_when_patched": None}}))
-        module.patch(context)
+        patch.patch(engine)
         changed = target_object() is not before
-        module.unpatch()
+        patch.unpatch()
         print(json.dumps({{"changed_when_patched": changed, "restored_again": target_object() is before}}))
     """)
     first, second = (json.loads(line) for line in result.stdout.splitlines()[-2:])
     assert first["seen"] == [step == "patch" for step in STEPS], "is_patched must follow patch/unpatch exactly"
-    assert first["restored"] and second["restored_again"], f"{name} did not leave {module.TARGET} as it was"
+    assert first["restored"] and second["restored_again"], f"{name} did not leave {patch.target} as it was"
     # A patch that wraps its target replaces the object; one that describes a library (FlagGems' tuner,
     # fallbacks of vLLM kernels) leaves it and registers with the engine instead.
     assert second["changed_when_patched"] is (name not in REGISTERS_ONLY)
@@ -302,22 +312,24 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
     uninstall and re-install keep both of its layers in place, and they keep being called."""
     import triton
 
-    module = importlib.import_module(f"smemguard.patches.{name}")
-    if module.SUPPORTED.package == "triton" and not module.SUPPORTED.admits(triton.__version__):
-        pytest.skip(f"{name} needs Triton {module.SUPPORTED}; the installer does not apply it to {triton.__version__}")
+    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    if patch.supported.package == "triton" and not patch.supported.admits(triton.__version__):
+        pytest.skip(f"{name} needs Triton {patch.supported}; the installer does not apply it to {triton.__version__}")
     if name in SETTINGS:
-        pytest.skip(f"{module.TARGET} is a setting, not a function: no tool layers over it (see test_inductor)")
+        pytest.skip(f"{patch.target} is a setting, not a function: no tool layers over it (see test_inductor)")
     exercise = textwrap.dedent(EXERCISE.get(name, "def exercise(round_):\n    pass\n"))
     result = run_python(f"""
         import importlib, json, sys
         sys.path.insert(0, {str(stand_ins)!r})
         import triton, wrapt
-        from smemguard import guard
+        from smemguard.engine import Engine
         from smemguard.patches import {name} as module
         from smemguard.settings import Settings
 
+        patch = module.PATCH
+
         CACHE = {triton_cache!r}
-        for target in module.TARGET_MODULES:
+        for target in patch.modules:
             try:
                 importlib.import_module(target)
             except ImportError:
@@ -325,7 +337,7 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
 
         # A target that moved between releases is named once per release (TARGETS): the one imported here.
         TARGET = next((name for name in getattr(module, "TARGETS", ()) if name.rsplit(".", 2)[0] in sys.modules),
-                      module.TARGET)
+                      patch.target)
 
         def owner_and_path():
             path = TARGET.split(".")
@@ -356,20 +368,20 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
             return wrapper
 
 {textwrap.indent(exercise, " " * 8)}
-        context = guard._context(Settings(max_shared=65536))
+        engine = Engine(Settings(max_shared=65536))
         original, base = chain()[-1], len(chain())
         wrapt.wrap_function_wrapper(*owner_and_path(), counting("below"))
         below = chain()[0]
-        module.patch(context)
-        patched = module.is_patched()
+        patch.patch(engine)
+        patched = patch.is_patched()
         wrapt.wrap_function_wrapper(*owner_and_path(), counting("above"))
         above = chain()[0]
         steps = []
         for step in ("unpatch", "patch", "unpatch"):
-            module.patch(context) if step == "patch" else module.unpatch()
+            patch.patch(engine) if step == "patch" else patch.unpatch()
             layers = chain()
             exercise(len(steps))
-            steps.append({{"step": step, "is_patched": module.is_patched(), "above_kept": above in layers,
+            steps.append({{"step": step, "is_patched": patch.is_patched(), "above_kept": above in layers,
                           "below_kept": below in layers, "original_last": layers[-1] is original,
                           "layers": len(layers) - base, "calls": dict(calls)}})
         print(json.dumps({{"patched": patched, "steps": steps}}))

@@ -86,7 +86,7 @@ def assert_compiled_directly(ran, compiled, incidents):
     """The variant that fits compiled first and alone (fewer stages, or the stored config of the tuner, the config
     in force refused before compiling), no incident (Triton 3.5 and later; 3.4 compiles inline, so the stored
     decision applies at the first failing launch, without candidates)."""
-    if jit_compile.SUPPORTED.admits(triton.__version__):
+    if jit_compile.PATCH.supported.admits(triton.__version__):
         assert incidents == [], "no OutOfResources reached smemguard: the failing variant was never compiled"
         assert compiled == [ran[:2]], "one compile: the variant that fits, nothing else"
     else:

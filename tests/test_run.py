@@ -133,7 +133,7 @@ def test_a_process_is_guarded_from_its_triton_import_on_and_pays_nothing_before(
         import triton
         import smemguard
         from smemguard.patches import kernel_interface
-        print(before, smemguard.is_installed(), kernel_interface.is_patched())
+        print(before, smemguard.is_installed(), kernel_interface.PATCH.is_patched())
     """)
     status, out, err = finished(smemguard_run(sys.executable, program, **PIPES))
     assert (status, err) == (0, "")

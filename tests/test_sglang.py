@@ -223,13 +223,13 @@ def test_observe_mode_and_uninstall_leave_sglang_as_it_is(install_guard, capabil
     own = (extend._get_block_sizes_for_extend_attention, extend.extend_attention_fwd, prefill._fwd_kernel,
            prefill.context_attention_fwd)
     install_guard(mode="observe")
-    assert not sglang_extend_attention.is_patched() and not sglang_prefill_attention.is_patched()
+    assert not sglang_extend_attention.PATCH.is_patched() and not sglang_prefill_attention.PATCH.is_patched()
     with fake_gpu("RTX5090", cache_dir=triton_cache):
         with pytest.raises(OutOfResources):
             absorbed_mla_extend()
     smemguard.uninstall()
     install_guard()
-    assert sglang_extend_attention.is_patched() and sglang_prefill_attention.is_patched()
+    assert sglang_extend_attention.PATCH.is_patched() and sglang_prefill_attention.PATCH.is_patched()
     smemguard.uninstall()
     assert (extend._get_block_sizes_for_extend_attention, extend.extend_attention_fwd, prefill._fwd_kernel,
             prefill.context_attention_fwd) == own

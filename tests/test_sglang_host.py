@@ -62,7 +62,7 @@ OBSERVER = '''
                "triton": "triton" in sys.modules, "installed": bool(guard and guard.is_installed())}
         for pack in PACKS:
             module = sys.modules.get(f"smemguard.patches.{pack}")
-            now[pack] = bool(module and module.is_patched())
+            now[pack] = bool(module and module.PATCH.is_patched())
         if fake:
             now["launches"] = [[launch.kernel, launch.shared] for launch in fake[0][1].launches]
         return now

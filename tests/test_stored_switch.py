@@ -20,7 +20,7 @@ from smemguard.testing import fake_gpu
 from conftest import records
 from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid
 
-pytestmark = pytest.mark.skipif(not jit_compile.SUPPORTED.admits(triton.__version__),
+pytestmark = pytest.mark.skipif(not jit_compile.PATCH.supported.admits(triton.__version__),
                                 reason="Triton 3.4 compiles inline in run(): no compile-time refusal there")
 
 BIG, SMALL = config(128, 128, 64, 3), config(64, 64, 64, 4)

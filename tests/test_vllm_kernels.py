@@ -25,7 +25,7 @@ from conftest import records  # noqa: E402
 
 
 def vllm_kernel_module():
-    for name in vllm_batch_invariant.TARGET_MODULES:
+    for name in vllm_batch_invariant.PATCH.modules:
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -67,7 +67,7 @@ def test_deepgemm_metadata_patch_wraps_vllms_function(install_guard):
     assert original.__module__ == deepgemm_metadata.TARGET_MODULE, "vLLM's own function before install"
     install_guard()
     wrapper = getattr(module, deepgemm_metadata.FUNCTION)
-    assert deepgemm_metadata.is_patched() and wrapper is not original, "smemguard's layer is the module's function"
+    assert deepgemm_metadata.PATCH.is_patched() and wrapper is not original, "smemguard's layer is the function"
     assert wrapper.__wrapped__ is original
     smemguard.uninstall()
     assert getattr(module, deepgemm_metadata.FUNCTION) is original
@@ -164,10 +164,10 @@ def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(u
         attend(unified_attention, 256, torch.float32, decode=True, window=1023)
     assert [launch.kernel for launch in gpu.launches] == ["kernel_unified_attention", "reduce_segments"]
     assert tiles_run["attention"][-1] == 16 and tiles_run["reduce"] == [16], "both kernels see the same TILE_SIZE"
-    assert vllm_unified_attention.CHOICE.caps_choice()
+    assert vllm_unified_attention.PATCH.caps_choice()
     smemguard.uninstall()
-    assert not vllm_unified_attention.CHOICE.caps_choice(), "vLLM's own choice again"
-    assert not vllm_unified_attention.is_patched()
+    assert not vllm_unified_attention.PATCH.caps_choice(), "vLLM's own choice again"
+    assert not vllm_unified_attention.PATCH.is_patched()
 
 
 # -- Triton prefill attention (encoders): a smaller BLOCK, chosen by the wrapper ---------------------
@@ -232,7 +232,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
         (f"BLOCK_M={block}", 256)], "one decision for the shape class; the second call chose the smaller BLOCK at once"
     smemguard.uninstall()
     assert backend.context_attention_fwd is module.context_attention_fwd is vllms_own
-    assert not vllm_prefill_attention.CHOICE.caps_choice()
+    assert not vllm_prefill_attention.PATCH.caps_choice()
 
 
 def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, install_guard, incident_log,
@@ -312,7 +312,7 @@ def test_prefix_prefill_on_a_t4_runs_a_smaller_block_with_its_grid_recomputed(he
     smemguard.uninstall()
 
     install_guard()
-    assert vllm_prefix_prefill.is_patched()
+    assert vllm_prefix_prefill.PATCH.is_patched()
     with fake_gpu("T4", cache_dir=triton_cache) as gpu:
         seqs, heads, query_len = prefill(module, head_size, torch.float16)
     (launch,) = gpu.launches

@@ -36,7 +36,7 @@ from kernels import matmul_args, matmul_kernel  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not kernel_warmup.SUPPORTED.admits(triton.__version__),
+    pytest.mark.skipif(not kernel_warmup.PATCH.supported.admits(triton.__version__),
                        reason=f"Triton {triton.__version__} defines warmup on JITFunction: decided at the first "
                               "launch there"),
 ]

@@ -13,7 +13,7 @@ from smemguard.testing import fake_gpu
 from conftest import records
 from kernels import matmul_args, matmul_kernel
 
-pytestmark = pytest.mark.skipif(not kernel_warmup.SUPPORTED.admits(triton.__version__),
+pytestmark = pytest.mark.skipif(not kernel_warmup.PATCH.supported.admits(triton.__version__),
                                 reason=f"Triton {triton.__version__} defines warmup on JITFunction: "
                                        "decided at the first launch there (tests/test_recovery.py)")
 

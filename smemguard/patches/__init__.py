@@ -1,28 +1,15 @@
 """One module per patched target, all with one contract, listed once in :data:`MODULES`.
 
-Each module defines:
+Each module defines ``PATCH``, a :class:`Patch` (or a class built on it: :class:`~._tile_choice.TileChoice`,
+:class:`~._declared_wrappers.DeclaredWrappers`): the contract as data (what it patches, the modules whose
+import applies it, the releases it was checked against, whether it is safe in observe mode, which settings
+want it, its layers) and one implementation of ``patch(engine)``, ``unpatch()`` and ``is_patched()`` for all
+of them. ``engine`` is the installed engine (:class:`Port` says what a patch may use of it; no patch imports
+it): a patch keeps it in ``PATCH.engine`` and its layers read it there at each call, so a layer another tool
+kept alive after ``uninstall()`` does nothing, and serves the next install.
 
-``TARGET``
-    what it patches, dotted (``"triton.runtime.jit.KernelInterface.__getitem__"``);
-``TARGET_MODULES``
-    the modules whose import (re)applies it: ``("triton",)`` for Triton's, the library's
-    modules for a known kernel;
-``SUPPORTED``
-    a :class:`smemguard.versions.Supported`: the releases its target was read and tested
-    against. Outside that range the module is not applied: one log line, target untouched;
-``OBSERVE_SAFE``
-    whether it applies in ``SMEMGUARD=observe`` (it only enforces the emulated limit,
-    records, or describes kernels to the engine; nothing that changes what runs);
-``applies(settings)``
-    whether these settings want it at all (no emulated limit: no ``max_shared_mem`` patch);
-``patch(context)``, ``unpatch()``
-    idempotent; ``context`` is a :class:`PatchContext`. ``unpatch`` removes only smemguard's
-    own layer and tolerates partial state;
-``is_patched()``
-    whether the target carries smemguard's layer now, read from the target itself.
-
-The Triton patches (``SUPPORTED.package == "triton"``) are applied together at install, all or
-nothing; the others each when one of their ``TARGET_MODULES`` is imported.
+The Triton patches (``supported.package == "triton"``) are applied at install, each on its own; the others
+each when one of their ``modules`` is imported.
 """
 
 from __future__ import annotations
@@ -31,9 +18,7 @@ import functools
 import importlib
 import logging
 import sys
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Protocol
 
 import wrapt
 
@@ -42,8 +27,10 @@ from ..versions import Supported
 log = logging.getLogger(__name__)
 
 #: The Triton releases smemguard was read and tested against as a whole; a Triton patch may
-#: declare a narrower ``SUPPORTED`` (it is then skipped outside it, the rest still applies).
+#: declare a narrower ``supported`` (it is then skipped outside it, the rest still applies).
 TRITON = Supported("triton", (3, 4), (3, 9), label="Triton")
+#: The Triton releases every Triton patch was read against, unless it says otherwise.
+TRITON_CHECKED = ("3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0")
 
 #: Every patch module, in the order they are applied (and removed in reverse).
 MODULES = (
@@ -68,41 +55,140 @@ MODULES = (
 )
 
 
-@dataclass(frozen=True)
-class PatchContext:
-    """What a patch may use: the settings it was installed with and the engine's entry points."""
+class Port(Protocol):
+    """What a patch may use of the installed engine (:class:`smemguard.engine.Engine`). None of its entry
+    points raises an error of smemguard's own."""
 
-    settings: Any  # smemguard.settings.Settings
-    #: (kernel, grid, args, kwargs, error, again) -> what the launch returns, or raises; ``again()`` runs the
-    #: launch once more as it was asked
-    on_out_of_resources: Callable[..., Any]
-    #: (jit, its ASTSource, device, Triton's parsed options, launching=) -> option overrides remembered for that
-    #: compile ({"num_stages": 3}) or None; raises the OutOfResources of a variant stored as overflowing where
-    #: compiling it gains nothing
-    remembered_compile: Callable[..., Any]
-    #: (kernel, grid, args, kwargs, compiled) -> the compiled kernel that will run (a replacement when it did not fit)
-    on_warmup: Callable[..., Any]
-    #: (Inductor's CachingAutotuner, the error its load raised, the configs it had compiled) -> True when
-    #: variants that fit were loaded in their place, False when none fits, None when smemguard has no answer
-    on_inductor_overflow: Callable[..., Any]
-    #: (Inductor's CachingAutotuner, before it loads its compile results) -> None; replaces those the decision
-    #: cache holds a fitting variant of (so none fails to load); never raises
-    on_inductor_load: Callable[..., Any]
-    #: (Triton's compile, its args, its kwargs, the kernel it returned) -> that kernel, or a fewer-stage compile
-    #: of it that fits the device it will load on; never raises
-    on_compiled: Callable[..., Any]
+    #: the settings the guard was installed with (a :class:`smemguard.settings.Settings`)
+    settings: Any
 
+    def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
+        """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or raises ``error``;
+        ``again()`` runs the launch once more as it was asked."""
 
-def modules() -> tuple[ModuleType, ...]:
-    return tuple(importlib.import_module(f"{__name__}.{name}") for name in MODULES)
+    def remembered_compile(self, jit, source, device: int, options, *, launching: bool) -> dict | None:
+        """Option overrides remembered for the variant Triton is about to compile (``{"num_stages": 3}``), or
+        None; raises the OutOfResources of a variant stored as overflowing where compiling it gains nothing."""
 
+    def on_warmup(self, kernel, grid, args: tuple, kwargs: dict, compiled) -> Any:
+        """The compiled kernel that will run for a warm-up (a replacement when ``compiled`` does not fit)."""
 
-def triton_modules() -> tuple[ModuleType, ...]:
-    return tuple(module for module in modules() if module.SUPPORTED.package == "triton")
+    def on_compiled(self, compile_fn, args: tuple, kwargs: dict, kernel) -> Any:
+        """``kernel`` as Triton's compile returned it, or a fewer-stage compile of it that fits the device."""
+
+    def on_inductor_load(self, autotuner) -> None:
+        """Before Inductor's ``CachingAutotuner`` loads its compile results: replace those the decision cache
+        holds a fitting variant of."""
+
+    def on_inductor_overflow(self, autotuner, error, configs: list) -> bool | None:
+        """True when variants that fit were loaded in place of ``configs``, False when none fits, None when
+        smemguard has no answer."""
 
 
-def library_modules() -> tuple[ModuleType, ...]:
-    return tuple(module for module in modules() if module.SUPPORTED.package != "triton")
+class Patch:
+    """One patch's contract as data, and ``patch``/``unpatch``/``is_patched`` for it.
+
+    ``name``: the patch module (``__name__``); ``target``: what it patches, dotted; ``modules``: the modules
+    whose import (re)applies it; ``supported``: the releases admitted (:class:`~smemguard.versions.Supported`);
+    ``checked``: the releases its target was read against, newest last; ``observe_safe``: whether it applies in
+    ``SMEMGUARD=observe`` (it only enforces the emulated limit, records, or describes kernels to the engine);
+    ``wanted(settings)``: whether these settings want it at all (no emulated limit: no ``max_shared_mem``);
+    ``layers``: ``{Layer: build}``, each added by ``Layer.add(build)``; ``apply(engine)`` runs before they are
+    added (it may add layers of its own), ``remove()`` after they are taken out; ``present()`` replaces
+    "every layer is there" as the answer of :meth:`is_patched`.
+
+    :meth:`patch` is idempotent and runs again on each import of one of ``modules`` (a library patch may find
+    more kernels); :meth:`unpatch` removes only smemguard's own layers and tolerates partial state;
+    :meth:`is_patched` is read from the targets themselves.
+    """
+
+    engine: Port | None = None
+
+    def __init__(self, name: str, *, target: str, modules: tuple[str, ...], supported: Supported,
+                 checked: tuple[str, ...], observe_safe: bool, wanted: Callable[[Any], bool] | None = None,
+                 layers: dict | None = None, apply: Callable[[Port], None] | None = None,
+                 remove: Callable[[], None] | None = None, present: Callable[[], bool] | None = None):
+        self.name = name.rsplit(".", 1)[-1]
+        self.target, self.modules, self.supported, self.checked = target, modules, supported, checked
+        self.observe_safe = observe_safe
+        self._wanted, self._layers = wanted, dict(layers or {})
+        self._apply, self._remove, self._present = apply, remove, present
+
+    def __repr__(self) -> str:
+        return f"<smemguard patch {self.name}: {self.target}>"
+
+    def applies(self, settings) -> bool:
+        return self._wanted is None or bool(self._wanted(settings))
+
+    def patch(self, engine: Port) -> None:
+        self.engine = engine
+        if self._apply is not None:
+            self._apply(engine)
+        for layer, build in self._layers.items():
+            layer.add(build)
+
+    def unpatch(self) -> None:
+        for layer in reversed(self._layers):
+            layer.remove()
+        if self._remove is not None:
+            self._remove()
+        self.engine = None
+
+    def is_patched(self) -> bool:
+        if self._present is not None:
+            return bool(self._present())
+        return bool(self._layers) and all(layer.present() for layer in self._layers)
+
+
+class Registration:
+    """What a library patch files in :mod:`smemguard.registry` for the library's Triton kernels (a fallback, a
+    list of alternatives): each kernel once, only a kernel with the parameters the value was written for (else
+    one line, and that kernel is left alone), all taken back by :meth:`clear`. ``register(kernel, value)``,
+    ``unregister(kernel)`` and ``registered(kernel)`` are the registry's."""
+
+    def __init__(self, register: Callable[[Any, Any], None], unregister: Callable[[Any], None],
+                 registered: Callable[[Any], Any]):
+        self._register, self._unregister, self._registered = register, unregister, registered
+        self._kernels: list = []
+
+    def add(self, where: str, kernel, params: Iterable[str], value, *, checked: str) -> None:
+        """File ``value`` for ``kernel`` (named ``where`` in messages) when it has ``params``."""
+        if any(kernel is known for known in self._kernels):
+            return
+        found = set(getattr(kernel, "arg_names", ()))
+        if not set(params) <= found:
+            from .. import runtime
+
+            runtime.warn_once(log, ("unexpected parameters", where),
+                              "smemguard: %s has unexpected parameters %s (checked against %s); nothing registered "
+                              "for it, it runs as the library wrote it", where, sorted(found), checked)
+            return
+        self._register(kernel, value)
+        self._kernels.append(kernel)
+
+    def holds(self, kernel, value) -> bool:
+        """Whether ``kernel`` carries ``value`` in the registry now."""
+        return self._registered(kernel) is value
+
+    def clear(self) -> None:
+        while self._kernels:
+            self._unregister(self._kernels.pop())
+
+
+def patch_of(module_name: str) -> Patch:
+    return importlib.import_module(f"{__name__}.{module_name}").PATCH
+
+
+def all_patches() -> tuple[Patch, ...]:
+    return tuple(patch_of(name) for name in MODULES)
+
+
+def triton_patches() -> tuple[Patch, ...]:
+    return tuple(patch for patch in all_patches() if patch.supported.package == "triton")
+
+
+def library_patches() -> tuple[Patch, ...]:
+    return tuple(patch for patch in all_patches() if patch.supported.package != "triton")
 
 
 def rebind(name: str, old, new) -> None:

@@ -18,32 +18,33 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from . import Layer
+from . import Layer, Patch
 from ..wrapper_tiles import rerun_on_overflow
 
 
-class DeclaredWrappers:
+class DeclaredWrappers(Patch):
     """``module``'s ``wrappers``, declared re-runnable with the declaration ``declare(module, original)`` builds
     over ``module.declared`` (what the wrappers choose their tiles with). ``check(module)`` raises when the module
     is not laid out as the versions the pack was checked against. ``fallbacks``: per wrapper, the name in
     :mod:`smemguard.fallbacks` of the torch computation of its result for calls where not even the smallest tiles
-    fit, taking the wrapper's parameters by name. Its
-    ``applies``, ``patch``, ``unpatch`` and ``is_patched`` are the patch
-    module's contract (:mod:`smemguard.patches`)."""
+    fit, taking the wrapper's parameters by name. ``target`` names what it patches (default: the declared
+    attribute). ``name``, ``supported`` and ``checked`` are the patch's contract
+    (:class:`smemguard.patches.Patch`); it patches the declared attribute, and never in observe mode (it changes
+    the tiles that run)."""
 
-    def __init__(self, *, module: str, declared: str, declare: Callable[[ModuleType, Any], Any],
-                 wrappers: tuple[str, ...], check: Callable[[ModuleType], None],
-                 fallbacks: dict[str, str] | None = None):
+    def __init__(self, name: str, *, supported, checked: tuple[str, ...], module: str, declared: str,
+                 declare: Callable[[ModuleType, Any], Any], wrappers: tuple[str, ...],
+                 check: Callable[[ModuleType], None], fallbacks: dict[str, str] | None = None,
+                 target: str | None = None):
+        super().__init__(name, target=target or f"{module}.{declared}", modules=(module,), supported=supported,
+                         checked=checked, observe_safe=False, apply=self._layer, remove=self._remove,
+                         present=self._present)
         self.module, self._declare, self._check = module, declare, check
         self._fallbacks = fallbacks or {}
         self._declared = Layer(module, declared, rebind=True)
         self._wrappers = tuple(Layer(module, wrapper, rebind=True) for wrapper in wrappers)
 
-    @staticmethod
-    def applies(settings) -> bool:
-        return True
-
-    def patch(self, context) -> None:
+    def _layer(self, engine) -> None:
         if self.is_patched():
             return
         module = sys.modules.get(self.module)
@@ -56,12 +57,12 @@ class DeclaredWrappers:
             wrapper.add(lambda original, compute=compute: rerun_on_overflow(
                 declaration, fallback=None if compute is None else _taking(original, compute))(original))
 
-    def unpatch(self) -> None:
+    def _remove(self) -> None:
         for wrapper in reversed(self._wrappers):
             wrapper.remove()
         self._declared.remove()
 
-    def is_patched(self) -> bool:
+    def _present(self) -> bool:
         return self._declared.present() and all(wrapper.present() for wrapper in self._wrappers)
 
 

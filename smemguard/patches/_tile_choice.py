@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import Layer
+from . import Layer, Patch
 from .. import incidents, runtime
 from ..decision import TILES_REDUCED
 from ..internal import Steps
@@ -37,7 +37,8 @@ from ..launch import Attempt
 
 log = logging.getLogger(__name__)
 
-class TileChoice:
+
+class TileChoice(Patch):
     """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first.
 
     ``choice_shape(args, kwargs, frame)``: the shape class of a call of the choice function (its
@@ -47,22 +48,25 @@ class TileChoice:
     function and the tile learnt for the class (None when none); ``smallest(shape)``: the smallest
     tile the kernel may take; ``shape_fields``: names of a shape class's values, for records;
     ``check(module, kernel)`` raises when the module is not laid out as the versions the patch was
-    checked against. Its ``applies``, ``patch``, ``unpatch`` and ``is_patched`` are the patch
-    module's contract (:mod:`smemguard.patches`).
+    checked against. ``name``, ``supported`` and ``checked`` are the patch's contract
+    (:class:`smemguard.patches.Patch`); it patches the wrapper, and never in observe mode (it changes the tile that
+    runs).
     """
 
-    def __init__(self, *, module: str, wrapper: str, choice: str, kernel: str, tile: str,
-                 shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
+    def __init__(self, name: str, *, supported, checked: tuple[str, ...], module: str, wrapper: str, choice: str,
+                 kernel: str, tile: str, shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
                  launch_shape: Callable[[tuple, dict], tuple | None],
                  wrapper_tile: Callable[[Callable, tuple, int | None], int], smallest: Callable[[tuple], int],
                  check: Callable[[Any, Any], None]):
+        super().__init__(name, target=f"{module}.{wrapper}", modules=(module,), supported=supported, checked=checked,
+                         observe_safe=False, apply=self._layer_wrapper, remove=self._forget,
+                         present=lambda: self._wrapper_layer.present())
         self.module, self.wrapper, self.choice, self.kernel, self.tile = module, wrapper, choice, kernel, tile
         self.shape_fields = shape_fields
         self._choice_shape, self._launch_shape = choice_shape, launch_shape
         self._wrapper_tile, self._smallest, self._check = wrapper_tile, smallest, check
         self._lock = threading.Lock()
         self._tiles: dict[tuple, int] = {}  # (device, limit, *shape class) -> the tile that fits
-        self._log_path = None
         self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
         self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
         # Both also where vLLM's callers imported them by name (the Triton backend imports the wrapper).
@@ -71,15 +75,11 @@ class TileChoice:
 
     # -- the patch contract ----------------------------------------------------------------------
 
-    @staticmethod
-    def applies(settings) -> bool:
-        return True
-
-    def patch(self, context) -> None:
+    def _layer_wrapper(self, engine) -> None:
         """Layer the wrapper, here and in the modules that imported it by name."""
         from triton.runtime.errors import OutOfResources
 
-        self._log_path, self._out_of_resources = context.settings.log_path, OutOfResources
+        self._out_of_resources = OutOfResources
         if self.is_patched():
             return
         module = sys.modules.get(self.module)
@@ -94,15 +94,16 @@ class TileChoice:
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
         self._wrapper_layer.add(self._guarded)
 
-    def unpatch(self) -> None:
+    def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
         with self._lock:
             self._tiles.clear()
         self._choice_layer.remove()
         self._wrapper_layer.remove()
 
-    def is_patched(self) -> bool:
-        return self._wrapper_layer.present()
+    def _records_path(self):
+        engine = self.engine
+        return engine.settings.log_path if engine is not None else None
 
     def caps_choice(self) -> bool:
         """Whether vLLM's choice function carries the layer that answers learnt tiles (from the first
@@ -235,7 +236,7 @@ class TileChoice:
                 limit_hit=error.limit, started=started, device=device, internal_steps=internal_steps,
                 attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
                 extras={"shape_class": shape_class, "config": failed[0].config})
-            incidents.report(incident, self._log_path, (self.kernel, key),
+            incidents.report(incident, self._records_path(), (self.kernel, key),
                              "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now "
                              "on", self.kernel, error.name, error.required, error.limit, failed[0].config,
                              " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)

@@ -12,8 +12,7 @@ Timings are filed under the key the tuner itself uses (:func:`smemguard.layers.k
 Triton's, or a registered library tuner's such as FlagGems' ``LibTuner``, which inherits
 ``_bench``).
 
-Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
-``_bench(self, *args, config, **meta)`` returns a list of quantiles (median first) or
+In every release checked, ``_bench(self, *args, config, **meta)`` returns a list of quantiles (median first) or
 ``[inf, inf, inf]``, and the tuning key is computed the same way in every one of them.
 """
 
@@ -22,20 +21,9 @@ from __future__ import annotations
 import logging
 
 from .. import layers, runtime
-from . import TRITON, Layer, wrapt_layer
+from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
-
-TARGET = "triton.runtime.autotuner.Autotuner._bench"
-TARGET_MODULES = ("triton",)
-SUPPORTED = TRITON
-OBSERVE_SAFE = True  # only observes
-
-_LAYER = Layer("triton.runtime.autotuner", "Autotuner._bench")
-
-
-def applies(settings) -> bool:
-    return True
 
 
 def _record(wrapped, instance, args, kwargs):
@@ -50,13 +38,6 @@ def _record(wrapped, instance, args, kwargs):
     return result
 
 
-def patch(context) -> None:
-    _LAYER.add(wrapt_layer(_record))
-
-
-def unpatch() -> None:
-    _LAYER.remove()
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="triton.runtime.autotuner.Autotuner._bench", modules=("triton",), supported=TRITON,
+              checked=TRITON_CHECKED, observe_safe=True,  # only observes
+              layers={Layer("triton.runtime.autotuner", "Autotuner._bench"): wrapt_layer(_record)})

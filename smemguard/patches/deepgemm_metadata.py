@@ -37,7 +37,7 @@ indexer is already imported: :func:`patch` also rebinds the name in every loaded
 that holds the original, and :func:`unpatch` puts it back. Modules imported later pick up
 whatever the defining module holds. An alias under another name is not followed.
 
-Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (installed and patched in the tests, CI stages 2 and 3: the wrapper takes
+Read in every vLLM release checked (installed and patched in the tests, CI stages 2 and 3: the wrapper takes
 ``indices`` and hands DeepGEMM ``_paged_mqa_logits_schedule_slots(num_sms, next_n)`` slots,
 num_sms // 2 on SM90 with next_n 4; the fallback asks that same helper) and stored public
 copies of ``vllm/utils/deep_gemm.py`` with the three-argument form and with ``indices``
@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import Layer, wrapt_layer
+from . import Layer, Patch, wrapt_layer
 from .. import incidents, runtime
 from ..decision import FALLBACK as FALLBACK_ACTION
 from ..versions import Supported
@@ -67,12 +67,7 @@ log = logging.getLogger(__name__)
 
 TARGET_MODULE = "vllm.utils.deep_gemm"
 FUNCTION = "get_paged_mqa_logits_metadata"
-TARGET = f"{TARGET_MODULE}.{FUNCTION}"
-#: Every module path vLLM has defined the wrapper in.
-TARGET_MODULES = (TARGET_MODULE,)
 _LAYER = Layer(TARGET_MODULE, FUNCTION, rebind=True)  # the MLA indexer imports the function by name
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
-OBSERVE_SAFE = False  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
 
 KERNEL = "deep_gemm:get_paged_mqa_logits_metadata"
 FALLBACK = "smemguard.fallbacks:paged_mqa_logits_metadata"
@@ -98,7 +93,6 @@ _STATIC_ARRAY = re.compile(r"__shared__ uint32_t \w+\[kAlignedBatchSize\]")
 _TOKEN_WEIGHTED = ("info.num_kv_splits * info.num_q_tokens", "sm_idx < rem ? sm_idx : rem",
                    "w_in_request / info.num_q_tokens")
 
-_log_path: Path | None = None
 _lock = threading.Lock()
 # (device, slots, next_n, block_size) -> (smallest batch DeepGEMM refused, variant)
 _refused: dict[tuple, tuple[int, str]] = {}
@@ -131,38 +125,22 @@ class _Call:
         return str(self.context_lens.device), self.slots, self.next_n, self.block_size
 
 
-def applies(settings) -> bool:
-    return True
+def _check_target(engine) -> None:
+    """Raises ``RuntimeError`` when the function's signature is not one this module was checked against: nothing
+    is touched then. The layer is added here and in the modules that imported the function by name."""
+    if not _LAYER.present():
+        _check_signature(getattr(importlib.import_module(TARGET_MODULE), FUNCTION, None))
 
 
-def patch(context) -> None:
-    """Wrap the function (importing its module) and rebind it in modules that imported it by name.
-
-    Incident records go to ``context.settings.log_path`` (None: to the log only). Patching
-    again only updates the path. Raises ``RuntimeError`` when the target's signature is not one
-    this module was checked against; nothing is touched then.
-    """
-    global _log_path
-    _log_path = context.settings.log_path
-    if is_patched():
-        return
-    module = importlib.import_module(TARGET_MODULE)
-    _check_signature(getattr(module, FUNCTION, None))
-    _LAYER.add(wrapt_layer(_fallback_on_refusal))
-
-
-def unpatch() -> None:
-    """Remove our layer here and in the callers; forget remembered refusals. Never imports vLLM."""
-    global _log_path
-    _log_path = None
+def _forget_refusals() -> None:
     with _lock:
         _refused.clear()
-    _LAYER.remove()
 
 
-def is_patched() -> bool:
-    """True when the defining module carries our layer; never imports vLLM."""
-    return _LAYER.present()
+def _records_path() -> Path | None:
+    """Where incident records go: the installed settings' log (None: to the log only)."""
+    engine = PATCH.engine
+    return engine.settings.log_path if engine is not None else None
 
 
 def _check_signature(function) -> None:
@@ -378,6 +356,12 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
             "slots": call.slots, "variant": scheduler.variant,
             "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
             "error": f"{type(error).__name__}: {error}"})
-    incidents.report(incident, _log_path, (KERNEL, *call.key),
+    incidents.report(incident, _records_path(), (KERNEL, *call.key),
                      "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
                      "in torch from now on for batches this large", KERNEL, call.batch, why, scheduler.variant)
+
+
+PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{FUNCTION}", modules=(TARGET_MODULE,),
+              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
+              observe_safe=False,  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
+              apply=_check_target, remove=_forget_refusals, layers={_LAYER: wrapt_layer(_fallback_on_refusal)})

@@ -27,7 +27,7 @@ What it does, when ``flag_gems.utils.libentry`` is imported:
 FlagGems' own errors (its 16-byte alignment assertion for TMA descriptors, a compile error
 of its TMA kernel) are not ``OutOfResources`` and pass through untouched.
 
-Checked against FlagGems 5.0.2 (``flag_gems/utils/libentry.py``, ``flag_gems/ops/mm.py``,
+Read in FlagGems 5.0.2 (``flag_gems/utils/libentry.py``, ``flag_gems/ops/mm.py``,
 ``flag_gems/runtime/backend/_nvidia/hopper/ops/mm.py``). Another 5.0 release is patched only
 if its layers still have the attributes read here; otherwise one line says so and FlagGems
 runs unguarded.
@@ -40,6 +40,7 @@ import sys
 
 from .. import layers, registry, runtime
 from ..versions import Supported
+from . import Patch, Registration
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +49,10 @@ LIBENTRY_MODULE = "flag_gems.utils.libentry"
 # matmul that serves aten::mm is module "hopper.ops.mm", not flag_gems.runtime.backend._nvidia.hopper.ops.mm.
 MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backend._nvidia.hopper.ops.mm")
 
-TARGET = "flag_gems.utils.libentry.LibTuner"
-TARGET_MODULES = (LIBENTRY_MODULE, *MATMUL_MODULES)
-SUPPORTED = Supported("flag_gems", (5, 0), (5, 0), label="FlagGems")
-OBSERVE_SAFE = True  # describes layers and registers fallbacks: in observe mode the engine records and re-raises
 CHECKED = "5.0.2"
 
-
-def applies(settings) -> bool:
-    return True
-
 _kinds: list = []  # the layer kinds registered with smemguard.layers
-_kernels: list = []  # the FlagGems kernel objects given a fallback
+_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
 
 
 def _libtuner_key(tuner, args: tuple, kwargs: dict) -> tuple:
@@ -127,18 +120,10 @@ def _imported_matmuls():
 def _register_fallbacks() -> None:
     for module_name, kernel_name, kernel in _imported_matmuls():
         params, fallback = MATMUL_KERNELS[kernel_name]
-        if any(kernel is known for known in _kernels):
-            continue
-        if not params <= set(getattr(kernel, "arg_names", ())):
-            runtime.warn_once(log, ("flaggems", module_name, kernel_name),
-                                "smemguard: %s.%s has unexpected parameters; no fallback registered for it "
-                                "(checked against FlagGems %s)", module_name, kernel_name, CHECKED)
-            continue
-        registry.register_fallback(kernel, fallback)
-        _kernels.append(kernel)
+        _fallbacks.add(f"{module_name}.{kernel_name}", kernel, params, fallback, checked=f"FlagGems {CHECKED}")
 
 
-def patch(context) -> None:
+def _apply(engine) -> None:
     """Describe FlagGems' layers and register the matmul fallbacks (called again on each import)."""
     libentry = sys.modules.get(LIBENTRY_MODULE)
     if libentry is not None and not _kinds:
@@ -157,18 +142,23 @@ def patch(context) -> None:
     _register_fallbacks()
 
 
-def unpatch() -> None:
+def _remove() -> None:
     while _kinds:
         layers.unregister(_kinds.pop())
-    while _kernels:
-        registry.unregister_fallback(_kernels.pop())
+    _fallbacks.clear()
 
 
-def is_patched() -> bool:
+def _present() -> bool:
     """Whether FlagGems' LibTuner is understood by the engine, or one of its matmuls has our fallback now."""
     libentry = sys.modules.get(LIBENTRY_MODULE)
     tuner_class = getattr(libentry, "LibTuner", None)
     described = isinstance(tuner_class, type) and any(
         isinstance(kind, layers.Tuner) and kind.name == "flag_gems.LibTuner" for kind in layers.registered())
-    return described or any(registry.fallback_for(kernel) is MATMUL_KERNELS[name][1]
+    return described or any(_fallbacks.holds(kernel, MATMUL_KERNELS[name][1])
                             for _, name, kernel in _imported_matmuls())
+
+
+PATCH = Patch(__name__, target=f"{LIBENTRY_MODULE}.LibTuner", modules=(LIBENTRY_MODULE, *MATMUL_MODULES),
+              supported=Supported("flag_gems", (5, 0), (5, 0), label="FlagGems"), checked=(CHECKED,),
+              observe_safe=True,  # describes layers and registers fallbacks: the engine records and re-raises
+              apply=_apply, remove=_remove, present=_present)

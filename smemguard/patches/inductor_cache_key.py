@@ -13,7 +13,7 @@ cache key generation for all torch compile caching"), after the user's own tag. 
 own limit adds nothing, so its keys are torch's. This is a setting, not a function: no layer; removal
 puts back the value found, unless something else has set the tag since: then theirs stands.
 
-Checked against torch 2.11.0, 2.13.0, 2.14.0 and 2.15.0 (``torch/compiler/config.py``; read by ``FxGraphHashDetails``,
+The setting is ``torch/compiler/config.py``'s in every release checked (read by ``FxGraphHashDetails``,
 ``AutotuneCache`` and AOTAutograd's cache key); read in 2.8 to 2.10.
 """
 
@@ -25,43 +25,37 @@ import sys
 
 from .. import runtime
 from ..versions import Supported
+from . import Patch
 
 log = logging.getLogger(__name__)
 
-TARGET = "torch.compiler.config.cache_key_tag"
-TARGET_MODULES = ("torch.compiler.config",)
-SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
-OBSERVE_SAFE = True  # observe mode emulates the limit too: its compiles must not mix with the full GPU's
+_CONFIG = "torch.compiler.config"
 
 _SEPARATOR = ","
 _found: str | None = None  # the tag before ours was added
 _ours: str | None = None  # the tag we set
 
 
-def applies(settings) -> bool:
-    return settings.max_shared is not None
-
-
 def _config():
-    return importlib.import_module(TARGET_MODULES[0])
+    return importlib.import_module(_CONFIG)
 
 
-def patch(context) -> None:
+def _apply(engine) -> None:
     global _found, _ours
     config = _config()
     if not isinstance(getattr(config, "cache_key_tag", None), str):
         runtime.warn_once(log, ("no cache key tag",), "smemguard: this PyTorch has no torch.compiler.config."
                           "cache_key_tag; under an emulated limit give torch.compile its own TORCHINDUCTOR_CACHE_DIR")
         return
-    if is_patched():
+    if _present():
         return
-    own = f"smemguard-max-shared={context.settings.max_shared}"
+    own = f"smemguard-max-shared={engine.settings.max_shared}"
     _found = config.cache_key_tag
     _ours = _SEPARATOR.join(part for part in (_found, own) if part)
     config.cache_key_tag = _ours
 
 
-def unpatch() -> None:
+def _remove() -> None:
     global _found, _ours
     if _ours is None:
         return
@@ -71,6 +65,13 @@ def unpatch() -> None:
     _found = _ours = None
 
 
-def is_patched() -> bool:
-    config = sys.modules.get(TARGET_MODULES[0])  # reading never imports torch
+def _present() -> bool:
+    config = sys.modules.get(_CONFIG)  # reading never imports torch
     return _ours is not None and getattr(config, "cache_key_tag", None) == _ours
+
+
+PATCH = Patch(__name__, target=f"{_CONFIG}.cache_key_tag", modules=(_CONFIG,),
+              supported=Supported("torch", (2, 8), (2, 15), label="PyTorch"),
+              checked=("2.11.0", "2.13.0", "2.14.0", "2.15.0"),
+              observe_safe=True,  # observe mode emulates the limit too: its compiles must not mix with the full GPU's
+              wanted=lambda settings: settings.max_shared is not None, apply=_apply, remove=_remove, present=_present)

@@ -40,7 +40,7 @@ the emulated limit still holds at the load. (Read in the source; not measured on
 Inductor's FX graph cache keys a compiled graph by the device's name, not by a limit: under
 ``SMEMGUARD_MAX_SHARED`` the ``inductor_cache_key`` patch gives the emulated GPU keys of its own.
 
-Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
+In torch 2.11 and 2.13 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
 ``(block_m, block_n, num_stages, num_warps)`` and ``FlexBwDConfig(block_m1, block_n1, block_m2, block_n2,
 num_stages, num_warps)``, dataclasses; ``get_flex_attn_*_configs(self, head_dim, dtype)``), 2.14.1 and 2.15.0
 (``torch/_inductor/heuristics/template/triton.py``, the forward's ``(self, head_dim, seq_len, dtype)``: the
@@ -60,7 +60,7 @@ from .. import incidents, runtime
 from ..decision import TILES_REDUCED
 from ..internal import Steps
 from ..versions import Supported
-from . import Layer, wrapt_layer
+from . import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 
@@ -68,27 +68,19 @@ log = logging.getLogger(__name__)
 #: is a shim Inductor never imports, so a hook on it alone never fires), 2.9 to 2.13, then 2.8.
 MODULES = ("torch._inductor.heuristics.template.triton", "torch._inductor.template_heuristics.triton",
            "torch._inductor.template_heuristics")
-#: The target in each of them (one per release family); TARGET names it where torch 2.9 to 2.13 have it.
-TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for module in MODULES)
-TARGET = TARGETS[1]
-TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
-OBSERVE_SAFE = False  # changes the tiles Inductor renders
 
 PASSES = {"forward": "get_flex_attn_fwd_configs", "backward": "get_flex_attn_bwd_configs"}
 #: The backward's four blocks and the forward's two, as Inductor's config dataclasses name them.
 _BLOCKS = {"forward": ("block_m", "block_n"), "backward": ("block_m1", "block_n1", "block_m2", "block_n2")}
 SMALLEST_BLOCK = 16  # tl.dot's smallest
 
+#: The target in each of them (one per release family).
+TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for module in MODULES)
+
 _layers = {(module, name): Layer(module, f"CUDAConfigHeuristic.{name}") for module in MODULES
            for name in PASSES.values()}
-_log_path = None
 _decided: set = set()
 _lock = threading.Lock()
-
-
-def applies(settings) -> bool:
-    return True
 
 
 def _element_bytes(dtype) -> int:
@@ -149,7 +141,7 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
         resource="shared memory", required=bound, limit_hit=limit, started=started, device=device,
         internal_steps=steps.failed, reason=f"at least {bound} B at one stage of its tiles",
         extras={"head_dim": head_dim, "dtype": str(dtype), "config": str(config)})
-    incidents.report(incident, _log_path, ("flex", kind, head_dim, str(dtype), device, limit),
+    incidents.report(incident, _records_path(), ("flex", kind, head_dim, str(dtype), device, limit),
                    "smemguard: FlexAttention %s (head dim %d, %s): Inductor's %s needs at least %d B at one stage, "
                    "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
 
@@ -192,9 +184,13 @@ def _wrapper(kind: str):
 _WRAPPERS = {kind: _wrapper(kind) for kind in PASSES}
 
 
-def patch(context) -> None:
-    global _log_path
-    _log_path = context.settings.log_path
+def _records_path():
+    """Where incident records go: the installed settings' log (None: to the log only)."""
+    engine = PATCH.engine
+    return engine.settings.log_path if engine is not None else None
+
+
+def _apply(engine) -> None:
     layered = {id(owner) for (module, _), layer in _layers.items() if layer.present()
                for owner in [getattr(sys.modules.get(module), "CUDAConfigHeuristic", None)]}
     for module in MODULES:  # the first module defining the class; a package re-exporting it names the same class
@@ -219,14 +215,16 @@ def _check_parameters(owner, name: str) -> None:
                         "parameters")
 
 
-def unpatch() -> None:
-    global _log_path
+def _remove() -> None:
     for layer in _layers.values():
         layer.remove()
-    _log_path = None
     with _lock:
         _decided.clear()
 
 
-def is_patched() -> bool:
-    return any(layer.present() for layer in _layers.values())
+#: The target named where torch 2.9 to 2.13 have it.
+PATCH = Patch(__name__, target=TARGETS[1], modules=MODULES,
+              supported=Supported("torch", (2, 8), (2, 15), label="PyTorch"),
+              checked=("2.11.0", "2.13.0", "2.14.1", "2.15.0"),
+              observe_safe=False,  # changes the tiles Inductor renders
+              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in _layers.values()))

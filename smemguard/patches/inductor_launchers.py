@@ -11,10 +11,10 @@ left, which torch.compile turns into an ``InductorError``: the model does not ru
 L4 or A10G given FlexAttention's A100 configs; pytorch #133254, #180278, #175250).
 
 What: before Inductor loads, a config the decision cache holds a fitting variant of (decided by an
-earlier process) is replaced by that variant, compiled through Inductor (``context.on_inductor_load``,
+earlier process) is replaced by that variant, compiled through Inductor (``engine.on_inductor_load``,
 :func:`smemguard.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises
 for a resource that does not fit (shared memory, threads), the
-engine (``context.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
+engine (``engine.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
 variants of the configs Inductor had compiled (smaller blocks for pointwise and reduction kernels),
 through Inductor's own ``_precompile_config`` and ``make_launcher``, and leaves the ones that load as
 the kernel's compile results and launchers: ``_make_launchers`` then returns as if they had been
@@ -24,7 +24,7 @@ loads, so that the most stages that fit win rather than one. In observe mode the
 Inductor's own retry runs, and Inductor's error is raised. A kernel that loads is never touched: the
 wrapper adds one ``try`` to a call made once per kernel, never per launch.
 
-Checked against torch 2.11.0, 2.13.0, 2.14.0 and 2.15.0 on the CPU harness (2.14 adds a device-resolution step, a
+In every release checked on the CPU harness (2.14 adds a device-resolution step, a
 compile on one rank leaving the device None: read as the current device;
 ``CachingAutotuner._make_launchers(self)``, whose compile
 results carry ``config``, ``kernel`` and ``make_launcher()``, and ``_precompile_config(self, cfg)``; 2.13
@@ -35,33 +35,23 @@ first retries the last config at one stage itself, ``compile_by_disabling_pipeli
 from __future__ import annotations
 
 from ..versions import Supported
-from . import Layer, wrapt_layer
+from . import Layer, Patch, wrapt_layer
 
-TARGET = "torch._inductor.runtime.triton_heuristics.CachingAutotuner._make_launchers"
-TARGET_MODULES = ("torch._inductor.runtime.triton_heuristics",)
-SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
-OBSERVE_SAFE = True  # the engine records and re-raises in observe mode
-
-_LAYER = Layer(TARGET_MODULES[0], "CachingAutotuner._make_launchers")
-_on_overflow = None  # (autotuner, error, configs) -> True: recovered; False: nothing fits; None: no answer
-_on_load = None  # (autotuner) -> None: stored variants replace the configs they were decided for
-_recovering = False  # not in observe mode, where Inductor's own retry stays Inductor's
 _OWN_RETRY = "dynamic_disable_pipelining"
 _ABSENT = object()
 
 
-def applies(settings) -> bool:
-    return True
-
-
 def _load_or_recover(wrapped, instance, args, kwargs):
     configs = [result.config for result in instance.compile_results or ()]
-    if _recovering and _on_load is not None and configs:
-        _on_load(instance)
+    engine = PATCH.engine
+    # Not in observe mode, where Inductor's own retry stays Inductor's.
+    recovering = engine is not None and not engine.settings.observe_only
+    if recovering and configs:
+        engine.on_inductor_load(instance)
     meta = instance.inductor_meta
     # torch 2.13's own retry (the last config at one stage) would answer first, with fewer stages than fit.
     before = meta.get(_OWN_RETRY, _ABSENT)
-    held_back = _recovering and before is not False
+    held_back = recovering and before is not False
     if held_back:
         meta[_OWN_RETRY] = False
     try:
@@ -74,7 +64,7 @@ def _load_or_recover(wrapped, instance, args, kwargs):
         elif held_back:
             meta[_OWN_RETRY] = before
     # Outside the except block: Inductor's error reaches the caller as Inductor raised it, unchained.
-    recovered = _on_overflow(instance, failure, configs) if _on_overflow is not None and configs else None
+    recovered = engine.on_inductor_overflow(instance, failure, configs) if engine is not None and configs else None
     if recovered:
         return None
     if recovered is None and held_back:  # no answer from our side: Inductor's own retry still gets its turn
@@ -82,18 +72,10 @@ def _load_or_recover(wrapped, instance, args, kwargs):
     raise failure
 
 
-def patch(context) -> None:
-    global _on_overflow, _on_load, _recovering
-    _on_overflow, _on_load = context.on_inductor_overflow, context.on_inductor_load
-    _recovering = not context.settings.observe_only
-    _LAYER.add(wrapt_layer(_load_or_recover))
-
-
-def unpatch() -> None:
-    global _on_overflow, _on_load, _recovering
-    _LAYER.remove()
-    _on_overflow, _on_load, _recovering = None, None, False
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="torch._inductor.runtime.triton_heuristics.CachingAutotuner._make_launchers",
+              modules=("torch._inductor.runtime.triton_heuristics",),
+              supported=Supported("torch", (2, 8), (2, 15), label="PyTorch"),
+              checked=("2.11.0", "2.13.0", "2.14.0", "2.15.0"),
+              observe_safe=True,  # the engine records and re-raises in observe mode
+              layers={Layer("torch._inductor.runtime.triton_heuristics", "CachingAutotuner._make_launchers"):
+                      wrapt_layer(_load_or_recover)})

@@ -12,7 +12,7 @@ raises the same error with it, so torch.compile code fails on an H200 exactly as
 Only applied with ``SMEMGUARD_MAX_SHARED``; it changes nothing else (a kernel already loaded, or one
 that fits, goes straight to Inductor's loader).
 
-Checked against torch 2.11.0 and 2.13.0 (``torch/_inductor/runtime/static_triton_launcher.py``: the
+In torch 2.11 and 2.13 (``torch/_inductor/runtime/static_triton_launcher.py``: the
 kernel's ``name``, ``shared`` and ``function``, None until loaded; 2.13 defines ``load_kernel`` on the
 base class ``StaticallyLaunchedTritonKernel``), 2.14.0 and 2.15.0 (``load_kernel(self, device)`` gains a
 ``device_agnostic`` path that loads per device into ``functions``) and read in 2.8 to 2.10, where the module
@@ -25,23 +25,15 @@ import sys
 
 from .. import runtime
 from ..versions import Supported
-from . import Layer, wrapt_layer
+from . import Layer, Patch, wrapt_layer
 
 #: Where the static CUDA launcher lives: torch 2.11 and later, then 2.8 to 2.10.
 MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.runtime.static_cuda_launcher")
-TARGET = f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_kernel"
-TARGET_MODULES = MODULES
-SUPPORTED = Supported("torch", (2, 8), (2, 15), label="PyTorch")
-OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
 
 #: The C++ loader checks only kernels above the 48 KiB every CUDA GPU gives without opting in.
 _STATIC_SHARED = 49152
 
 _layers = {module: Layer(module, "StaticallyLaunchedCudaKernel.load_kernel") for module in MODULES}
-
-
-def applies(settings) -> bool:
-    return settings.max_shared is not None
 
 
 def _refuse_over_emulated_limit(wrapped, instance, args, kwargs):
@@ -64,17 +56,21 @@ def _loaded(instance, args, kwargs) -> bool:
     return device in (getattr(instance, "functions", None) or {})
 
 
-def patch(context) -> None:
-    runtime.set_emulated_limit(context.settings.max_shared)
+def _apply(engine) -> None:
+    runtime.set_emulated_limit(engine.settings.max_shared)
     for module, layer in _layers.items():
         if hasattr(sys.modules.get(module), "StaticallyLaunchedCudaKernel"):
             layer.add(wrapt_layer(_refuse_over_emulated_limit))
 
 
-def unpatch() -> None:
+def _remove() -> None:
     for layer in _layers.values():
         layer.remove()
 
 
-def is_patched() -> bool:
-    return any(layer.present() for layer in _layers.values())
+PATCH = Patch(__name__, target=f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_kernel", modules=MODULES,
+              supported=Supported("torch", (2, 8), (2, 15), label="PyTorch"),
+              checked=("2.11.0", "2.13.0", "2.14.0", "2.15.0"),
+              observe_safe=True,  # observe mode enforces the emulated limit too: that is what it observes
+              wanted=lambda settings: settings.max_shared is not None,
+              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in _layers.values()))

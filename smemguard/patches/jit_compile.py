@@ -20,8 +20,7 @@ variant as recovery does (:func:`smemguard.decisions.variant_id`) and asks the d
 Launches never pass through here once cached. Not applied in observe mode (it changes what is
 compiled), nor without a decision cache (``SMEMGUARD_CACHE_DIR=off``).
 
-Checked against Triton 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0:
-``_do_compile(self, key, signature, device, constexprs, options, attrs, warmup)``, with
+In every release checked: ``_do_compile(self, key, signature, device, constexprs, options, attrs, warmup)``, with
 ``options`` a frozen dataclass. Triton 3.4 compiles inline in ``run``; there remembered
 decisions apply at the first failing launch instead.
 """
@@ -34,22 +33,9 @@ import logging
 from .. import runtime
 from ..knobs import lowered_constexprs
 from ..versions import Supported
-from . import Layer, wrapt_layer
+from . import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
-
-TARGET = "triton.runtime.jit.JITFunction._do_compile"
-TARGET_MODULES = ("triton",)
-SUPPORTED = Supported("triton", (3, 5), (3, 9), label="Triton")
-OBSERVE_SAFE = False  # compiles remembered replacements instead of what was asked for
-
-_LAYER = Layer("triton.runtime.jit", "JITFunction._do_compile")
-
-_remembered_compile = None  # (jit, source, device, options, launching=) -> {"num_stages": 3} | None, or raises
-
-
-def applies(settings) -> bool:
-    return settings.cache_dir is not None
 
 
 def _arguments(key, signature, device, constexprs, options, attrs, warmup):
@@ -58,15 +44,16 @@ def _arguments(key, signature, device, constexprs, options, attrs, warmup):
 
 def _compile_remembered(wrapped, instance, args, kwargs):
     override = None
-    if _remembered_compile is not None:
+    engine = PATCH.engine
+    if engine is not None:
         from triton.runtime.errors import OutOfResources
 
         try:
             from triton.compiler.compiler import ASTSource
 
             key, signature, device, constexprs, options, attrs, warmup = _arguments(*args, **kwargs)
-            override = _remembered_compile(instance, ASTSource(instance, signature, constexprs, attrs), device,
-                                           options, launching=not warmup)
+            override = engine.remembered_compile(instance, ASTSource(instance, signature, constexprs, attrs), device,
+                                               options, launching=not warmup)
             if override:
                 replaced = dataclasses.replace(options, **override)
                 # A pipeline-depth parameter is lowered with the option, as recovery compiled it.
@@ -90,17 +77,9 @@ def _compile_remembered(wrapped, instance, args, kwargs):
     return kernel
 
 
-def patch(context) -> None:
-    global _remembered_compile
-    _remembered_compile = context.remembered_compile
-    _LAYER.add(wrapt_layer(_compile_remembered))
-
-
-def unpatch() -> None:
-    global _remembered_compile
-    _LAYER.remove()
-    _remembered_compile = None
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="triton.runtime.jit.JITFunction._do_compile", modules=("triton",),
+              supported=Supported("triton", (3, 5), (3, 9), label="Triton"),
+              checked=("3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0"),
+              observe_safe=False,  # compiles remembered replacements instead of what was asked for
+              wanted=lambda settings: settings.cache_dir is not None,
+              layers={Layer("triton.runtime.jit", "JITFunction._do_compile"): wrapt_layer(_compile_remembered)})

@@ -4,7 +4,7 @@ Why: vLLM 0.33 compiles many Triton kernels at start-up without launching them
 (``vllm/model_executor/warmup/jit_warmup_triton_helper.py`` calls ``kernel.warmup(grid=(1,),
 **kwargs)``), and so can any program (``kernel.warmup(...)``). A kernel compiled there that
 exceeds the limit is known before the first request, from its ``metadata.shared``: the engine
-(``context.on_warmup``, :func:`smemguard.recovery.handle_warmup`) decides its replacement then
+(``engine.on_warmup``, :func:`smemguard.recovery.handle_warmup`) decides its replacement then
 and puts it into Triton's JIT cache under the same key, so the first request pays no exception
 and no compile. ``warmup`` returns the kernel that will run. Nothing is launched: a tuned
 kernel (whose candidates would be timed by launching them) is left to its first launch, and so
@@ -22,7 +22,7 @@ is not on the launch path, but one frame more or less keeps the two patches alik
 ``Autotuner.warmup`` (which compiles every config, overflowing ones included, as the
 autotuner's benchmarking will see them) is not touched.
 
-Checked against Triton 3.6.0, 3.8.0 and 3.9.0: ``KernelInterface.warmup(self, *args, grid, **kwargs)``
+In every release checked, ``KernelInterface.warmup(self, *args, grid, **kwargs)``
 returns ``self.run(grid=grid, warmup=True, *map(MockTensor.wrap_dtype, args), **kwargs)``; under an
 active ``AsyncCompileMode`` a JIT cache miss returns a ``FutureKernel`` whose ``kernel`` is None until
 ``result(ignore_errors=False)`` finalizes it (3.6 has no ``__getattr__`` forwarding to the kernel).
@@ -36,27 +36,19 @@ import contextvars
 import functools
 
 from ..versions import Supported
-from . import Layer, bound
-
-TARGET = "triton.runtime.jit.KernelInterface.warmup"
-TARGET_MODULES = ("triton",)
-SUPPORTED = Supported("triton", (3, 6), (3, 9), label="Triton")
-OBSERVE_SAFE = False  # it puts replacements into the JIT cache
-
-_LAYER = Layer("triton.runtime.jit", "KernelInterface.warmup")
+from . import Layer, Patch, bound
 
 
-def applies(settings) -> bool:
-    return True
-
-
-def _deciding_warmup(wrap_dtype, on_warmup, async_compile):
+def _deciding_warmup(wrap_dtype, async_compile):
 
     def build(original):
 
         def warmup(self, *args, grid, **kwargs):
             kernel = bound(original, self)(*args, grid=grid, **kwargs)
-            decide = functools.partial(on_warmup, self, grid, tuple(map(wrap_dtype, args)), kwargs)
+            engine = PATCH.engine
+            if engine is None:  # uninstalled while another tool's layer kept ours alive
+                return kernel
+            decide = functools.partial(engine.on_warmup, self, grid, tuple(map(wrap_dtype, args)), kwargs)
             if isinstance(kernel, async_compile.FutureKernel):
                 return _decide_when_finalized(kernel, functools.partial(_outside, async_compile, decide))
             return decide(kernel)
@@ -91,16 +83,15 @@ def _outside(async_compile, decide, compiled):
     return context.run(decide, compiled)
 
 
-def patch(context) -> None:
+def _layer(original):
     from triton.runtime import _async_compile
     from triton.runtime.jit import MockTensor
 
-    _LAYER.add(_deciding_warmup(MockTensor.wrap_dtype, context.on_warmup, _async_compile))
+    return _deciding_warmup(MockTensor.wrap_dtype, _async_compile)(original)
 
 
-def unpatch() -> None:
-    _LAYER.remove()
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="triton.runtime.jit.KernelInterface.warmup", modules=("triton",),
+              supported=Supported("triton", (3, 6), (3, 9), label="Triton"),
+              checked=("3.6.0", "3.8.0", "3.9.0"),
+              observe_safe=False,  # it puts replacements into the JIT cache
+              layers={Layer("triton.runtime.jit", "KernelInterface.warmup"): _layer})

@@ -10,25 +10,13 @@ Only the limit Triton enforces changes. Code that picks its configs from
 ``get_device_properties()`` still sees the real GPU. The emulated limit is kept in
 :mod:`smemguard.runtime`, where the engine reads it.
 
-Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (same function, an
-``lru_cache`` over the device index, in every one of them).
+The same function, an ``lru_cache`` over the device index, in every release checked.
 """
 
 from __future__ import annotations
 
 from .. import runtime
-from . import TRITON, Layer, wrapt_layer
-
-TARGET = "triton.compiler.compiler.max_shared_mem"
-TARGET_MODULES = ("triton",)
-SUPPORTED = TRITON
-OBSERVE_SAFE = True  # observe mode enforces the emulated limit too: that is what it observes
-
-_LAYER = Layer(*TARGET.rsplit(".", 1))
-
-
-def applies(settings) -> bool:
-    return settings.max_shared is not None
+from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _min_with_emulated(wrapped, instance, args, kwargs):
@@ -37,15 +25,13 @@ def _min_with_emulated(wrapped, instance, args, kwargs):
     return device_limit if limit is None else min(device_limit, limit)
 
 
-def patch(context) -> None:
-    runtime.set_emulated_limit(context.settings.max_shared)
-    _LAYER.add(wrapt_layer(_min_with_emulated))
+def _set_emulated_limit(engine) -> None:
+    runtime.set_emulated_limit(engine.settings.max_shared)
 
 
-def unpatch() -> None:
-    _LAYER.remove()
-    runtime.set_emulated_limit(None)
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="triton.compiler.compiler.max_shared_mem", modules=("triton",), supported=TRITON,
+              checked=TRITON_CHECKED,
+              observe_safe=True,  # observe mode enforces the emulated limit too: that is what it observes
+              wanted=lambda settings: settings.max_shared is not None,
+              layers={Layer("triton.compiler.compiler", "max_shared_mem"): wrapt_layer(_min_with_emulated)},
+              apply=_set_emulated_limit, remove=lambda: runtime.set_emulated_limit(None))

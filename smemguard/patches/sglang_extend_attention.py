@@ -29,7 +29,7 @@ and the dLLM attention imported them by name). On CUDA each wrapper's first laun
 the compact grid are gfx950 paths; where a wrapper launches other tiles than the choice's, as gfx950's
 ``BLOCK_M=256``, the error is the caller's, unchanged). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against SGLang 0.5.23 (``sglang/kernels/ops/attention/extend_attention.py``); older releases kept the
+Read in SGLang 0.5.23 (``sglang/kernels/ops/attention/extend_attention.py``); older releases kept the
 kernels in ``sglang.srt.layers.attention.triton_ops.extend_attention``, which this does not patch.
 """
 
@@ -45,10 +45,6 @@ TARGET_MODULE = "sglang.kernels.ops.attention.extend_attention"
 CHOICE = "_get_block_sizes_for_extend_attention"
 WRAPPERS = ("extend_attention_fwd", "extend_attention_fwd_unified")
 KERNELS = ("_fwd_kernel", "_fwd_kernel_unified")
-TARGET = f"{TARGET_MODULE}.{CHOICE}"
-TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("sglang", (0, 5), (0, 5), label="SGLang")
-OBSERVE_SAFE = False  # changes the tiles that run
 
 #: (BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV, BLOCK_M, BLOCK_N, num_warps): where the tiles are in the choice's answer.
 TILES, POSITIONS = ("BLOCK_M", "BLOCK_N"), (3, 4)
@@ -70,6 +66,6 @@ def _declare(module, original):
                        smallest=_SMALLEST)(original)
 
 
-WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=CHOICE, declare=_declare, wrappers=WRAPPERS, check=_check,
-                           fallbacks={"extend_attention_fwd": "sglang_extend_attention"})
-applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched
+PATCH = DeclaredWrappers(__name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"), checked=("0.5.23",),
+                         module=TARGET_MODULE, declared=CHOICE, declare=_declare, wrappers=WRAPPERS, check=_check,
+                         fallbacks={"extend_attention_fwd": "sglang_extend_attention"})

@@ -25,7 +25,7 @@ tiles learnt for the shape class, query dtype and head size, with the grid above
 wrapper's only launch. Where not even 16x16 fits (none measured up to head size 512), the call runs in torch
 (``smemguard.fallbacks.sglang_context_attention``). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against SGLang 0.5.23 (``sglang/kernels/ops/attention/prefill_attention.py``).
+Read in SGLang 0.5.23 (``sglang/kernels/ops/attention/prefill_attention.py``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ from ..wrapper_tiles import tiles_at_launch
 TARGET_MODULE = "sglang.kernels.ops.attention.prefill_attention"
 WRAPPER = "context_attention_fwd"
 KERNEL = "_fwd_kernel"
-TARGET = f"{TARGET_MODULE}.{WRAPPER}"
-TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("sglang", (0, 5), (0, 5), label="SGLang")
-OBSERVE_SAFE = False  # changes the tiles that run
 
 TILES = ("BLOCK_M", "BLOCK_N")
 _KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
@@ -77,6 +73,6 @@ def _declare(module, original):
     return tiles_at_launch(original, tile=TILES, grid=_grid, shape=_shape, smallest=_SMALLEST)
 
 
-WRAPPED = DeclaredWrappers(module=TARGET_MODULE, declared=KERNEL, declare=_declare, wrappers=(WRAPPER,),
-                           check=_check, fallbacks={WRAPPER: "sglang_context_attention"})
-applies, patch, unpatch, is_patched = WRAPPED.applies, WRAPPED.patch, WRAPPED.unpatch, WRAPPED.is_patched
+PATCH = DeclaredWrappers(__name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"), checked=("0.5.23",),
+                         module=TARGET_MODULE, declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), check=_check,
+                         fallbacks={WRAPPER: "sglang_context_attention"}, target=f"{TARGET_MODULE}.{WRAPPER}")

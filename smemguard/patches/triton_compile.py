@@ -15,44 +15,19 @@ reads the engine at every call, so a kernel that kept it after ``uninstall()`` c
 
 A compile the caller gets back is never an error smemguard made: the core's own failures hand on the
 kernel as compiled. Not applied in observe mode (it changes what runs).
-
-Checked against Triton 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0.
 """
 
 from __future__ import annotations
 
-from . import TRITON, Layer, wrapt_layer
-
-TARGET = "triton.compiler.compiler.compile"
-TARGET_MODULES = ("triton",)
-SUPPORTED = TRITON
-OBSERVE_SAFE = False  # hands the caller a fewer-stage kernel
-
-_LAYER = Layer("triton.compiler.compiler", "compile", rebind=True)
-_on_compiled = None  # (compile, args, kwargs, kernel) -> the kernel that fits, or the kernel itself
-
-
-def applies(settings) -> bool:
-    return True
+from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _compile_fitting(wrapped, instance, args, kwargs):
     kernel = wrapped(*args, **kwargs)
-    on_compiled = _on_compiled
-    return kernel if on_compiled is None else on_compiled(wrapped, args, kwargs, kernel)
+    engine = PATCH.engine
+    return kernel if engine is None else engine.on_compiled(wrapped, args, kwargs, kernel)
 
 
-def patch(context) -> None:
-    global _on_compiled
-    _on_compiled = context.on_compiled
-    _LAYER.add(wrapt_layer(_compile_fitting))
-
-
-def unpatch() -> None:
-    global _on_compiled
-    _LAYER.remove()
-    _on_compiled = None
-
-
-def is_patched() -> bool:
-    return _LAYER.present()
+PATCH = Patch(__name__, target="triton.compiler.compiler.compile", modules=("triton",), supported=TRITON,
+              checked=TRITON_CHECKED, observe_safe=False,  # hands the caller a fewer-stage kernel
+              layers={Layer("triton.compiler.compiler", "compile", rebind=True): wrapt_layer(_compile_fitting)})

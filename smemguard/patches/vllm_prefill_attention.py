@@ -30,7 +30,7 @@ once. One incident record (``"action": "tiles_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (0.34's wrapper fits its block to the device's shared
+In every vLLM release checked (0.34's wrapper fits its block to the device's shared
 memory itself on CUDA, ``_fit_block_to_shared_memory(BLOCK, ...)``, a ``min`` over ``get_block_size``'s choice: a
 lowered choice still lowers ``BLOCK``, and the formula never reads an emulated limit;
 ``vllm/v1/attention/ops/triton_prefill_attention.py``, the
@@ -50,10 +50,6 @@ TARGET_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
 WRAPPER = "context_attention_fwd"
 TILE_CHOICE = "get_block_size"
 KERNEL = "_fwd_kernel"
-TARGET = f"{TARGET_MODULE}.{WRAPPER}"
-TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
-OBSERVE_SAFE = False  # changes the tile that runs
 
 _KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
 #: vLLM's wrapper keeps ``BLOCK`` at 32 or less from this head size on.
@@ -98,8 +94,8 @@ def _check(module, kernel) -> None:
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-CHOICE = TileChoice(
+PATCH = TileChoice(
+    __name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
     module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="BLOCK_M",
     shape_fields=("dtype", "head_size"), choice_shape=_choice_shape, launch_shape=_launch_shape,
     wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_BLOCK, check=_check)
-applies, patch, unpatch, is_patched = CHOICE.applies, CHOICE.patch, CHOICE.unpatch, CHOICE.is_patched

@@ -21,7 +21,7 @@ What it does: registers those alternatives with :func:`smemguard.register_altern
 its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
 head size 128 it needs 65536 B on sm_75, which fits a T4.
 
-Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (``vllm/v1/attention/ops/prefix_prefill.py``): the
+In every vLLM release checked (``vllm/v1/attention/ops/prefix_prefill.py``), the
 same launch of ``_fwd_kernel`` (grid function, ``BLOCK_M=128, BLOCK_N=64, num_warps=4,
 num_stages=1``) and the same masks; 0.33 adds ``INTERLEAVED_V_PACK_FACTOR`` to the V-cache
 addressing, which does not involve either tile.
@@ -34,25 +34,20 @@ import sys
 
 from .. import registry
 from ..versions import Supported
+from . import Patch, Registration
 
 log = logging.getLogger(__name__)
 
 TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
 KERNEL = "_fwd_kernel"
-TARGET = f"{TARGET_MODULE}.{KERNEL}"
-TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
-OBSERVE_SAFE = True  # registers alternatives only: in observe mode the engine records and re-raises anyway
+CHECKED = ("0.32.0", "0.33.0", "0.34.0")
 
 #: (BLOCK_M, BLOCK_N), largest first; the wrapper's own is (128, 64).
 TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 _EXPECTED_PARAMS = {"BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out"}
 
-_kernels: list = []  # the vLLM kernel objects given alternatives
-
-
-def applies(settings) -> bool:
-    return True
+_alternatives = Registration(registry.register_alternatives, registry.unregister_alternatives,
+                             registry.alternatives_for)
 
 
 def alternatives() -> list:
@@ -66,23 +61,20 @@ def _imported_kernel():
     return kernel if hasattr(kernel, "arg_names") else None  # vLLM builds without a usable Triton: a plain function
 
 
-def patch(context) -> None:
+def _give_alternatives(engine) -> None:
     kernel = _imported_kernel()
-    if kernel is None or any(kernel is known for known in _kernels):
-        return
-    params = set(kernel.arg_names)
-    if not _EXPECTED_PARAMS <= params:
-        raise RuntimeError(f"{TARGET} has unexpected parameters {sorted(params)}")
-    registry.register_alternatives(kernel, alternatives())
-    _kernels.append(kernel)
+    if kernel is not None:
+        _alternatives.add(f"{TARGET_MODULE}.{KERNEL}", kernel, _EXPECTED_PARAMS, alternatives(),
+                          checked=f"vLLM {CHECKED[-1]}")
 
 
-def unpatch() -> None:
-    while _kernels:
-        registry.unregister_alternatives(_kernels.pop())
-
-
-def is_patched() -> bool:
+def _present() -> bool:
     kernel = _imported_kernel()
     registered = registry.alternatives_for(kernel) if kernel is not None else ()
     return [dict(config.kwargs) for config in registered] == [{"BLOCK_M": m, "BLOCK_N": n} for m, n in TILES]
+
+
+PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{KERNEL}", modules=(TARGET_MODULE,),
+              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=CHECKED,
+              observe_safe=True,  # registers alternatives only: in observe mode the engine records and re-raises anyway
+              apply=_give_alternatives, remove=_alternatives.clear, present=_present)

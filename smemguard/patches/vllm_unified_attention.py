@@ -32,7 +32,7 @@ that class pick it at once, with no failed launch. A failure of any other launch
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Checked against vLLM 0.32.0, 0.33.0 and 0.34.0 (0.34 adds AMD RDNA prefill tile overrides and a tensor-
+In every vLLM release checked (0.34 adds AMD RDNA prefill tile overrides and a tensor-
 descriptor clamp to the block size after ``_get_tile_size``: a launch whose tile differs from the choice is left
 to the engine, as Blackwell's override is; ``vllm/v1/attention/ops/triton_unified_attention.py``):
 both choose ``TILE_SIZE_PREFILL``/``TILE_SIZE_DECODE`` with ``_get_tile_size`` before any
@@ -54,10 +54,6 @@ TARGET_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 WRAPPER = "unified_attention"
 TILE_CHOICE = "_get_tile_size"
 KERNEL = "kernel_unified_attention"
-TARGET = f"{TARGET_MODULE}.{WRAPPER}"
-TARGET_MODULES = (TARGET_MODULE,)
-SUPPORTED = Supported("vllm", (0, 32), (0, 34), label="vLLM")
-OBSERVE_SAFE = False  # changes the tile that runs
 
 _TILE_CHOICE_PARAMETERS = ("head_size", "sliding_window", "element_size", "is_prefill")
 _KERNEL_PARAMETERS = {"query_ptr", "TILE_SIZE", "HEAD_SIZE", "SLIDING_WINDOW", "IS_3D"}
@@ -102,9 +98,9 @@ def _check(module, kernel) -> None:
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-CHOICE = TileChoice(
+PATCH = TileChoice(
+    __name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
     module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="TILE_SIZE",
     shape_fields=_TILE_CHOICE_PARAMETERS, choice_shape=_choice_shape, launch_shape=_launch_shape,
     wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE),
     check=_check)
-applies, patch, unpatch, is_patched = CHOICE.applies, CHOICE.patch, CHOICE.unpatch, CHOICE.is_patched

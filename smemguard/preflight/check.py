@@ -337,84 +337,124 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
     jobs = max(1, jobs or os.cpu_count() or 1)
     amd_problem = hip_compile_problem() if any(gpu.backend == "hip" for gpu in gpu_list) else None
     unchecked = {gpu.name: amd_problem for gpu in gpu_list if gpu.backend == "hip" and amd_problem}
+    groups, items = _plan(kernels, _limits_by_arch(gpu_list, unchecked), cache, exact)
+    cache_hits = sum(item.how == CACHED for item in items.values())
+    compiler = Compiler(jobs, import_timeout)
+    try:
+        compiles = _compile_until_decided(groups, compiler, cache, exact, progress, started)
+    finally:
+        compiler.close()
+    return Report(list(kernels), list(gpu_list), _verdicts(kernels, gpu_list, items, unchecked), compiles, cache_hits,
+                  time.perf_counter() - started, exact, unchecked)
+
+
+def _limits_by_arch(gpu_list: Sequence[gpus.Gpu], unchecked: dict[str, str]) -> dict[int | str, list[int]]:
+    """The distinct shared-memory limits of the checked GPUs, per Triton target arch: one compile per
+    arch serves every GPU of it."""
     limits: dict[int | str, list[int]] = {}
     for gpu in gpu_list:
         if gpu.name not in unchecked:
             limits[gpu.target_arch] = sorted({*limits.get(gpu.target_arch, ()), gpu.max_shared})
+    return limits
 
+
+def _plan(kernels: list[CheckedKernel], limits: dict[int | str, list[int]], cache: ResultCache,
+          exact: bool) -> tuple[list[_Group], dict[tuple[int, int, str, int | str], Item]]:
+    """Every compile's item, keyed by (kernel, variant, specialization name, arch), and their groups."""
     groups: list[_Group] = []
-    items: dict[tuple[int, int, str, int], Item] = {}
-    cache_hits = 0
+    items: dict[tuple[int, int, str, int | str], Item] = {}
     for k, kernel in enumerate(kernels):
         for spec in kernel.specializations:
             for arch, arch_limits in limits.items():
                 group_items = []
                 for v, variant in enumerate(kernel.variants):
-                    item = Item(kernel, variant, spec, arch)
-                    try:
-                        item.request = build_request(kernel, variant, spec, arch)
-                        item.request.key = cache_key(kernel.jit, item.request)
-                    except PlanError as error:
-                        item.problem = str(error)
-                    except Exception as error:  # the compiler's front end rejected the signature
-                        item.problem = introspect.error_summary(error)
-                    if item.request is not None and item.problem is None:
-                        item.result = cache.get(item.request.key)
-                        if item.result is not None:
-                            item.how, cache_hits = CACHED, cache_hits + 1
-                        # The calibration launches had unit inner strides, as *x.stride() passes them for
-                        # contiguous tensors; other strides change what can be pipelined. Nor is the stage
-                        # count the option's where the kernel writes its loops' depth itself.
-                        if not exact and spec.unit_guess in (None, BY_ORDER) \
-                                and not knobs_of(kernel.jit).writes_depth():
-                            item.interval = estimate(item.request, spec)
+                    item = _planned_item(kernel, variant, spec, arch, cache, exact)
                     items[(k, v, spec.name, arch)] = item
                     group_items.append(item)
                 groups.append(_Group(group_items, arch_limits))
+    return groups, items
 
-    compiles = 0
-    compiler = Compiler(jobs, import_timeout)
+
+def _planned_item(kernel: CheckedKernel, variant: Variant, spec: Specialization, arch: int | str,
+                  cache: ResultCache, exact: bool) -> Item:
+    """The item with its compile request, its cached result if any, and its estimate where one is sound."""
+    item = Item(kernel, variant, spec, arch)
     try:
-        in_flight: dict[concurrent.futures.Future, Item] = {}
-        planned = 0
-        while True:
-            batch = [item for group in groups for item in (group.unknown() if exact else group.to_compile())
-                     if not item.submitted]
-            if not batch and not in_flight:
-                # Planning found nothing to compile, yet may have left items to the bytes of a stage
-                # variant already known (a warm cache): those it now shares; what no rule decides compiles.
-                batch = [item for group in groups for item in group.undecided()]
-            # Longest first: the pool finishes together instead of waiting on one late big tile.
-            for item in sorted(batch, key=lambda item: -_compile_cost(item.variant)):
-                item.submitted = True
-                planned += 1
-                in_flight[compiler.submit(item.kernel.jit, item.request)] = item
-            if not in_flight:
-                break
-            finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                item = in_flight.pop(future)
-                try:
-                    item.result = future.result()
-                except BrokenProcessPool as error:  # a compiler process died (crash, out of memory)
-                    if not item.retried:  # maybe a neighbour's compile took it down: once more, in a fresh pool
-                        item.retried = True
-                        in_flight[compiler.submit(item.kernel.jit, item.request)] = item
-                        continue
-                    item.result = {"shared": None,
-                                   "error": f"compiler process failed: {introspect.error_summary(error)}",
-                                   "seconds": 0.0}
-                else:
-                    cache.put(item.request.key, {**item.result, "kernel": item.kernel.jit_name,
-                                                 "config": item.variant.label(), "specialization": item.spec.name,
-                                                 "arch": item.arch})
-                item.how = MEASURED
-                compiles += 1
-                if progress is not None:
-                    progress(Progress(compiles, planned, item, time.perf_counter() - started))
-    finally:
-        compiler.close()
+        item.request = build_request(kernel, variant, spec, arch)
+        item.request.key = cache_key(kernel.jit, item.request)
+    except PlanError as error:
+        item.problem = str(error)
+    except Exception as error:  # the compiler's front end rejected the signature
+        item.problem = introspect.error_summary(error)
+    if item.request is not None and item.problem is None:
+        item.result = cache.get(item.request.key)
+        if item.result is not None:
+            item.how = CACHED
+        # The calibration launches had unit inner strides, as *x.stride() passes them for
+        # contiguous tensors; other strides change what can be pipelined. Nor is the stage
+        # count the option's where the kernel writes its loops' depth itself.
+        if not exact and spec.unit_guess in (None, BY_ORDER) \
+                and not knobs_of(kernel.jit).writes_depth():
+            item.interval = estimate(item.request, spec)
+    return item
 
+
+def _compile_until_decided(groups: list[_Group], compiler: Compiler, cache: ResultCache, exact: bool,
+                           progress: Callable[[Progress], None] | None, started: float) -> int:
+    """Compiles what the groups ask for, batch after batch as results change their plans, until
+    nothing is left to compile; returns how many compiles finished."""
+    compiles = 0
+    in_flight: dict[concurrent.futures.Future, Item] = {}
+    planned = 0
+    while True:
+        batch = [item for group in groups for item in (group.unknown() if exact else group.to_compile())
+                 if not item.submitted]
+        if not batch and not in_flight:
+            # Planning found nothing to compile, yet may have left items to the bytes of a stage
+            # variant already known (a warm cache): those it now shares; what no rule decides compiles.
+            batch = [item for group in groups for item in group.undecided()]
+        # Longest first: the pool finishes together instead of waiting on one late big tile.
+        for item in sorted(batch, key=lambda item: -_compile_cost(item.variant)):
+            item.submitted = True
+            planned += 1
+            in_flight[compiler.submit(item.kernel.jit, item.request)] = item
+        if not in_flight:
+            return compiles
+        finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in finished:
+            item = in_flight.pop(future)
+            if not _take_result(item, future, compiler, cache, in_flight):
+                continue
+            compiles += 1
+            if progress is not None:
+                progress(Progress(compiles, planned, item, time.perf_counter() - started))
+
+
+def _take_result(item: Item, future: concurrent.futures.Future, compiler: Compiler, cache: ResultCache,
+                 in_flight: dict[concurrent.futures.Future, Item]) -> bool:
+    """Sets ``item``'s measured result from its finished compile and caches it; False when the compile
+    was resubmitted instead (into ``in_flight``)."""
+    try:
+        item.result = future.result()
+    except BrokenProcessPool as error:  # a compiler process died (crash, out of memory)
+        if not item.retried:  # maybe a neighbour's compile took it down: once more, in a fresh pool
+            item.retried = True
+            in_flight[compiler.submit(item.kernel.jit, item.request)] = item
+            return False
+        item.result = {"shared": None,
+                       "error": f"compiler process failed: {introspect.error_summary(error)}",
+                       "seconds": 0.0}
+    else:
+        cache.put(item.request.key, {**item.result, "kernel": item.kernel.jit_name,
+                                     "config": item.variant.label(), "specialization": item.spec.name,
+                                     "arch": item.arch})
+    item.how = MEASURED
+    return True
+
+
+def _verdicts(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu],
+              items: dict[tuple[int, int, str, int | str], Item],
+              unchecked: dict[str, str]) -> dict[tuple[int, int, str, str], Verdict]:
     verdicts = {}
     for k, kernel in enumerate(kernels):
         for v in range(len(kernel.variants)):
@@ -425,8 +465,7 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
                     else:
                         verdict = _verdict(items[(k, v, spec.name, gpu.target_arch)], gpu.max_shared)
                     verdicts[(k, v, spec.name, gpu.name)] = verdict
-    return Report(list(kernels), list(gpu_list), verdicts, compiles, cache_hits, time.perf_counter() - started, exact,
-                  unchecked)
+    return verdicts
 
 
 def _verdict(item: Item, limit: int) -> Verdict:

@@ -1,0 +1,106 @@
+"""The engine one ``install()`` builds: the settings it was installed with, the decisions it takes, and the
+entry points the patches call (:class:`smemguard.patches.Port` says which; patches receive the engine and never
+import this module).
+
+Every entry point hands back what its caller would have had without smemguard when the engine has no answer:
+the launch's own error, the kernel as compiled, Inductor's own error. An error of smemguard's own is recorded
+(``internal_errors``) and never replaces the user's. ``uninstall()`` closes the engine: from then on every entry
+point passes through (a layer another tool kept alive still holds it), and the decisions it took and the kernels
+it put into Triton's JIT caches are forgotten, so the next launch compiles what its caller asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from . import runtime
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """The deciding engine of one install (see the module's docstring)."""
+
+    def __init__(self, settings: Settings):
+        from .recovery import Decided
+
+        self.settings = settings
+        self.decided = Decided()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<smemguard engine mode={self.settings.mode}{' closed' if self.closed else ''}>"
+
+    def on_out_of_resources(self, kernel, grid, args, kwargs, error, again):
+        """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or ``error`` raised."""
+        from . import recovery
+
+        if self.closed:
+            raise error
+        return recovery.handle(kernel, grid, args, kwargs, error, self.settings, again, self.decided)
+
+    def remembered_compile(self, jit, source, device, options, *, launching: bool):
+        """Option overrides remembered for the variant Triton is about to compile, or its stored refusal."""
+        from . import recovery
+
+        if self.closed:
+            return None
+        return recovery.remembered_compile(jit, source, device, options, self.settings, launching=launching)
+
+    def on_warmup(self, kernel, grid, args, kwargs, compiled):
+        """The kernel a warm-up hands back: a replacement decided now when ``compiled`` does not fit."""
+        from . import recovery
+
+        if self.closed:
+            return compiled
+        with runtime.engine_compiling.scope():
+            return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, self.settings, self.decided)
+
+    def on_compiled(self, compile_fn, args, kwargs, kernel):
+        """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`smemguard.compile_fit`)."""
+        from . import compile_fit
+
+        return kernel if self.closed else compile_fit.fit(compile_fn, args, kwargs, kernel, self.settings)
+
+    def on_inductor_overflow(self, autotuner, error, configs) -> bool | None:
+        """True when variants that fit were loaded; False when none fits (or ``error`` is not an overflow);
+        None when smemguard has no answer (closed, or its own error)."""
+        from . import inductor
+
+        if self.closed:
+            return None
+        try:
+            with runtime.engine_compiling.scope():
+                return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs,
+                                                                                   self.settings)
+        except Exception:
+            runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a "
+                              "torch.compile kernel; Inductor's own error is raised (smemguard's bug: please report "
+                              "it)", exc_info=True)
+            return None
+
+    def on_inductor_load(self, autotuner) -> None:
+        """Replace the compile results of ``autotuner`` that the decision cache holds a fitting variant of."""
+        from . import inductor
+
+        if self.closed:
+            return
+        try:
+            with runtime.engine_compiling.scope():
+                inductor.load_remembered(autotuner, self.settings)
+        except Exception:
+            runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while applying a stored "
+                              "decision to a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: "
+                              "please report it)", exc_info=True)
+
+    def close(self) -> None:
+        """Pass everything through from now on; forget the decisions taken and the kernels put into Triton's JIT
+        caches, and what declared wrappers learnt."""
+        self.closed = True
+        self.decided.clear()
+        runtime.drop_replacements()
+        wrapper_tiles = sys.modules.get("smemguard.wrapper_tiles")  # imported only by a library that declares
+        if wrapper_tiles is not None:
+            wrapper_tiles.forget()
