@@ -133,12 +133,16 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
     jit = getattr(source, "fn", None)
     if not isinstance(source, ASTSource) or stages <= 1 or jit is None:
         return kernel
-    if steps.run("read the kernel's loops", lambda: knobs_of(jit).stages_futile(), otherwise=lambda: None):
+    futile = stored = None
+    with steps.skippable("read the kernel's loops"):
+        futile = knobs_of(jit).stages_futile()
+    if futile:
         return kernel
     started = time.perf_counter()
-    case = steps.run("key the variant", _case, jit, kernel, device)
-    stored = steps.run("read the decision cache", _stored_stages, case, stages, kernel, settings,
-                       otherwise=lambda: None)
+    with steps.required("key the variant"):
+        case = _case(jit, kernel, device)
+    with steps.skippable("read the decision cache"):
+        stored = _stored_stages(case, stages, kernel, settings)
     attempts = []
 
     def compile_at(count: int):
@@ -166,7 +170,8 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
     _record(jit, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started, settings,
             steps)
     if not stored:
-        steps.run("store the decision", _store, case, kernel, count, overflow, settings, otherwise=lambda: None)
+        with steps.skippable("store the decision"):
+            _store(case, kernel, count, overflow, settings)
     runtime.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
 

@@ -235,7 +235,8 @@ def load_remembered(autotuner, settings) -> None:
             key = decisions.case_id(_case(autotuner, result.config, device))
             entry = store.get("inductor", key)
             if entry is not None:
-                steps.run("reload the kernel's function", _with_live_function, autotuner)
+                with steps.required("reload the kernel's function"):
+                    _with_live_function(autotuner)
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
                 runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
@@ -266,7 +267,8 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     device = _device(autotuner)
     steps = Steps(kernel_name(autotuner))
     if not settings.observe_only:
-        steps.run("reload the kernel's function", _with_live_function, autotuner)
+        with steps.required("reload the kernel's function"):
+            _with_live_function(autotuner)
     limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
     trial = _Trial(autotuner, limit)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
@@ -285,9 +287,12 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     if loaded:
         autotuner.compile_results = [result for result, _ in loaded]
         autotuner.launchers = [launcher for _, launcher in loaded]
-        store = steps.run("open the decision cache", decisions.store, settings.cache_dir, otherwise=lambda: None)
+        store = None
+        with steps.skippable("open the decision cache"):
+            store = decisions.store(settings.cache_dir)
         if store is not None:
-            steps.run("store the decisions", _remember, autotuner, overflow, replaced, store, otherwise=lambda: None)
+            with steps.skippable("store the decisions"):
+                _remember(autotuner, overflow, replaced, store)
     _record(autotuner, overflow, failing, trial, [(action, candidate) for _, action, candidate in replaced], started,
             settings, steps)
     return bool(loaded)

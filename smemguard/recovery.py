@@ -72,12 +72,15 @@ def remembered_compile(jit, source, device: int, options, settings, *, launching
 def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
     """What runs now that ``decision`` is taken: the relaunch, the user's fallback, or the user's error."""
     if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
-        steps.run("replace in the JIT cache", replace_in_jit_cache, launch, failing, decision.replacement)
+        with steps.required("replace in the JIT cache"):
+            replace_in_jit_cache(launch, failing, decision.replacement)
         return launch.relaunch
     if decision.action == CONFIG_CHANGED:
-        return steps.run("launch with the new config", with_config, launch, decision.config).relaunch
+        with steps.required("launch with the new config"):
+            return with_config(launch, decision.config).relaunch
     if decision.action == FALLBACK:
-        named = steps.run("bind the fallback's arguments", _fallback_arguments, launch)
+        with steps.required("bind the fallback's arguments"):
+            named = _fallback_arguments(launch)
         return functools.partial(_run_fallback, decision, named, error)
     incidents.add_note(error, lambda: incidents.explain(launch, decision, error))
     return functools.partial(_reraise, error)
@@ -111,17 +114,21 @@ def _reraise(error):
 def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
     """The decision for this failure: one stored by any process for the same case, else a new one (stored).
     The store only saves work: when reading or writing it fails, the ladder decides and nothing is stored."""
-    store = steps.run("open the decision store", decisions.store, settings.cache_dir, otherwise=lambda: None)
-    cases = (steps.run("key the stored decisions", decisions.cases_for, launch, failing, otherwise=lambda: None)
-             if store is not None else None)
-    decision = (steps.run("recall a stored decision", recall.recall, launch, failing, cases, store,
-                          otherwise=lambda: None) if cases else None)
+    store = cases = decision = None
+    with steps.skippable("open the decision store"):
+        store = decisions.store(settings.cache_dir)
+    if store is not None:
+        with steps.skippable("key the stored decisions"):
+            cases = decisions.cases_for(launch, failing)
+    if cases:
+        with steps.skippable("recall a stored decision"):
+            decision = recall.recall(launch, failing, cases, store)
     if decision is None:
-        decision = steps.run("decide", ladder.decide, launch, failing, error)
+        with steps.required("decide"):
+            decision = ladder.decide(launch, failing, error)
         if cases:
-            chosen = decision
-            decision = steps.run("store the decision", recall.remember, launch, failing, error, chosen, cases, store,
-                                 otherwise=lambda: chosen)
+            with steps.skippable("store the decision"):
+                decision = recall.remember(launch, failing, error, decision, cases, store)
     return decision
 
 
@@ -182,9 +189,11 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
     launch = failing = None
     try:
         with runtime.engine_compiling.scope():  # the variants it compiles are measured as they are
-            launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
+            with steps.required("resolve the launch"):
+                launch = resolve(launched, grid, args, kwargs)
             if launch is not None:
-                failing = steps.run("compile the failing launch", launch.compile)
+                with steps.required("compile the failing launch"):
+                    failing = launch.compile()
             run = _recover(launched, launch, failing, error, settings, decided, steps, started)
     except StepFailed:
         run = None
@@ -212,9 +221,11 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, deci
     steps = Steps(_layer_name(launched))
     decision = launch = None
     try:
-        launch = steps.run("resolve the launch", resolve, launched, grid, args, kwargs)
+        with steps.required("resolve the launch"):
+            launch = resolve(launched, grid, args, kwargs)
         if launch is not None:
-            decision = steps.run("apply the stored config", recall.switch, launch, *stored)
+            with steps.required("apply the stored config"):
+                decision = recall.switch(launch, *stored)
     except StepFailed:  # logged where it failed
         pass
     if decision is not None:
@@ -243,19 +254,26 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
         incidents.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings.log_path)
         return functools.partial(_reraise, error)
     # Another thread already put a kernel that fits in its place.
-    if steps.run("check the kernel in the JIT cache", lambda: check(failing)[0], otherwise=lambda: False):
+    fitting, case = False, _Case()
+    with steps.skippable("check the kernel in the JIT cache"):
+        fitting = check(failing)[0]
+    if fitting:
         return launch.relaunch
-    case = steps.run("find the case", decided.case_for, launch, failing, otherwise=_Case)
+    with steps.skippable("find the case"):
+        case = decided.case_for(launch, failing)
     with case.lock:
         if case.decision is None:
             # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
-            described = steps.run("describe the arguments", incidents.described_args, launch, otherwise=lambda: None)
+            described = None
+            with steps.skippable("describe the arguments"):
+                described = incidents.described_args(launch)
             decision = _decide(launch, failing, error, settings, steps)
             if steps.failed:
                 decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
             if decision.action == FALLBACK:  # recorded once it ran: the record says whether it raised
                 case.decision = decision
-                named = steps.run("bind the fallback's arguments", _fallback_arguments, launch)
+                with steps.required("bind the fallback's arguments"):
+                    named = _fallback_arguments(launch)
                 record = functools.partial(incidents.record_launch, launch, launched, failing, error,
                                            started=started, log_path=settings.log_path, described=described)
                 return functools.partial(_run_fallback, decision, named, error, record)
@@ -278,5 +296,6 @@ def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:
     from . import wrapper_tiles  # imported by the declaring library, never on a healthy launch's path
 
     needed = [attempt.required for attempt in decision.attempts if attempt.required]
-    return steps.run("ask the declared wrapper", wrapper_tiles.chooses_again, launch.jit, launch.named_args(),
-                     min(needed, default=None), otherwise=lambda: False)
+    with steps.skippable("ask the declared wrapper"):
+        return wrapper_tiles.chooses_again(launch.jit, launch.named_args(), min(needed, default=None))
+    return False

@@ -47,14 +47,17 @@ class Outcome:
 
     def _remember(self, final: tuple) -> None:
         """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
-        store = self.steps.run("open the decision cache", decisions.store, self.settings.cache_dir,
-                               otherwise=lambda: None)
-        if store is not None:
-            case, device = _case(self.declaration, self.name, self.shape), runtime.current_device()
-            self.steps.run("store the tiles", store.put, TABLE, decisions.case_id(case), decisions.new_entry(
+        store = None
+        with self.steps.skippable("open the decision cache"):
+            store = decisions.store(self.settings.cache_dir)
+        if store is None:
+            return
+        case, device = _case(self.declaration, self.name, self.shape), runtime.current_device()
+        with self.steps.skippable("store the tiles"):
+            store.put(TABLE, decisions.case_id(case), decisions.new_entry(
                 case, action=TILES_REDUCED, final=self.declaration.label(final), from_config=self.failed[0].config,
                 gpu=decisions.gpu_label(device), resource=SHARED, required=self.error.required,
-                value=_as_stored(final)), otherwise=lambda: None)
+                value=_as_stored(final)))
 
     @property
     def kernel(self) -> str:

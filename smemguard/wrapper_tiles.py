@@ -66,6 +66,8 @@ _UNKNOWN = object()
 #: table (None: not read since install). While False, a healthy call records nothing: a declared wrapper costs a
 #: ``try`` and a declared choice a thread-local read.
 _tiles_in_use: bool | None = None
+
+
 class _Running(threading.local):
     call: _Call | None = None  # the innermost declared wrapper's call on this thread (a class default: a missing
     # attribute's AttributeError would cost a healthy choice more than everything else it does)
@@ -386,8 +388,9 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
     result, error, call = _recorded_call(wrapper, name, args, kwargs)
     if error is None:
         return result
-    original, started, steps, failed = unrecorded or error, time.perf_counter(), Steps(name), []
-    step = steps.run("read the failed launch", _failed_choice, declarations, call, error, otherwise=lambda: None)
+    original, started, steps, failed, step = unrecorded or error, time.perf_counter(), Steps(name), [], None
+    with steps.skippable("read the failed launch"):
+        step = _failed_choice(declarations, call, error)
     if step is None:
         raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
     declaration, shape, tiles, kernel = step
@@ -401,18 +404,24 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
         smaller = declaration.smaller(tiles)
         if smaller is None:  # nothing smaller may run: the wrapper's fallback, or its own tiles again and its error
             outcome.least = call.least
-            reason = steps.run("explain the failure", outcome.reason, fallback, error, otherwise=lambda: None)
+            reason = None
+            with steps.skippable("explain the failure"):
+                reason = outcome.reason(fallback, error)
             if reason is not None:
-                steps.run("remember the failure", declaration.exhaust, name, shape, reason, otherwise=lambda: None)
+                with steps.skippable("remember the failure"):
+                    declaration.exhaust(name, shape, reason)
             return outcome.decided(reason, fallback, args, kwargs)
         try:
-            steps.run("learn the tiles", declaration.learn, name, shape, smaller)
+            with steps.required("learn the tiles"):
+                declaration.learn(name, shape, smaller)
         except StepFailed:
             raise original from None
         result, error, call = _recorded_call(wrapper, name, args, kwargs)
         if error is None:
             break
-        step = steps.run("read the failed launch", _failed_choice, declarations, call, error, otherwise=lambda: None)
+        step = None
+        with steps.skippable("read the failed launch"):
+            step = _failed_choice(declarations, call, error)
         if step is None or step[:2] != (declaration, shape):
             raise error  # a later launch failed after the kernel ran: the call is not run again
         tiles = step[2]

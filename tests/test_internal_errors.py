@@ -143,3 +143,18 @@ def test_an_unexpected_error_anywhere_in_handling_still_raises_the_users_error(i
         matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4)
     assert caught.value.required == 49152 and caught.value.__context__ is None
     assert records(incident_log)[-1]["internal_steps"] == ["handle the failure"]
+
+
+def test_a_step_block_counts_our_error_once_and_lets_interrupts_through():
+    from smemguard.internal import StepFailed, Steps
+
+    steps = Steps("a kernel")
+    with steps.skippable("save work"):
+        raise KeyError("smemguard bug (planted by the test)")
+    with pytest.raises(StepFailed) as failed, steps.skippable("outer"), steps.required("inner"):
+        raise KeyError("smemguard bug (planted by the test)")
+    assert failed.value.step == "inner" and failed.value.__suppress_context__
+    assert steps.failed == ["save work", "inner"], "the inner failure is noted once, not again by the outer block"
+    with pytest.raises(KeyboardInterrupt), steps.required("interrupted"):
+        raise KeyboardInterrupt
+    assert steps.failed == ["save work", "inner"], "an interrupt is not smemguard's bug"

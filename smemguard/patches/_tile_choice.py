@@ -201,20 +201,28 @@ class TileChoice(Patch):
         steps = Steps(f"{self.module}:{self.kernel}")
         error, key, before, failed = original, None, None, []
         while True:
-            launch = steps.run("read the failed launch", self._failed_launch, error, otherwise=lambda: None)
-            step = (steps.run("choose a smaller tile", self._smaller_tile, *launch, otherwise=lambda: None)
-                    if launch is not None else None)
+            launch = step = None
+            with steps.skippable("read the failed launch"):
+                launch = self._failed_launch(error)
+            if launch is not None:
+                with steps.skippable("choose a smaller tile"):
+                    step = self._smaller_tile(*launch)
             if step is None:
                 if error is original:
                     raise original
                 if launch is not None:  # not even the smallest tile fits: vLLM's own choice again
-                    steps.run("forget the tile", self._learn, key, before, otherwise=lambda: None)
+                    with steps.skippable("forget the tile"):
+                        self._learn(key, before)
                     raise original
                 raise error  # a later launch failed after the kernel ran: the call is not repeated
             if key is None:
                 key, before = step[0], self._tiles.get(step[0])
             failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
-            if steps.run("learn the tile", self._learn, key, step[2], otherwise=lambda: False) is False:
+            learned = False
+            with steps.skippable("learn the tile"):
+                self._learn(key, step[2])
+                learned = True
+            if not learned:
                 raise original  # without the smaller tile in place, calling again would fail the same way
             try:
                 result = wrapped(*args, **kwargs)

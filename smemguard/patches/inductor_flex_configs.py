@@ -117,8 +117,11 @@ def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: floa
     limit = runtime.effective_limit(device)
     offered = []
     for config in configs:
-        replacement = steps.run("fit the config", fitting, kind, config, head_dim, dtype, limit,
-                                otherwise=lambda: None) if dataclasses.is_dataclass(config) else config
+        replacement = config
+        if dataclasses.is_dataclass(config):
+            replacement = None
+            with steps.skippable("fit the config"):
+                replacement = fitting(kind, config, head_dim, dtype, limit)
         if replacement is None or replacement == config:
             offered.append(config)
             continue
@@ -170,13 +173,13 @@ def _wrapper(kind: str):
     def offer(wrapped, instance, args, kwargs):
         configs = wrapped(*args, **kwargs)
         started, steps = time.perf_counter(), Steps(f"FlexAttention {kind}")
-        read = steps.run("read the heuristic's arguments", _head_dim_and_dtype, wrapped, args, kwargs,
-                         otherwise=lambda: None)
-        if read is None:
-            return configs
-        head_dim, dtype = read
-        return steps.run("offer tiles that can fit", _offer_fitting, kind, list(configs), head_dim, dtype, started,
-                         steps, otherwise=lambda: configs)
+        read = None
+        with steps.skippable("read the heuristic's arguments"):
+            read = _head_dim_and_dtype(wrapped, args, kwargs)
+        if read is not None:
+            with steps.skippable("offer tiles that can fit"):
+                return _offer_fitting(kind, list(configs), *read, started, steps)
+        return configs
 
     return offer
 
