@@ -68,6 +68,7 @@ def option_changes(out: Path) -> None:
     rows = [row for row in csv.DictReader(out.open()) if row["shared"]]
     print("| triton | arch | spec | option | configs | bytes changed in | largest change |")
     print("|---|---|---|---|---|---|---|")
+
     def without_options(row: dict) -> tuple:
         return identity({**row, **{option: "" for option in AMD_OPTIONS}}, AMD_OPTIONS)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import triton
 
-from smemguard import gpus, preflight
+from smemguard.facts import gpus
+from smemguard import preflight
 
 GPUS = ("MI300X", "MI355X")
 

@@ -38,7 +38,7 @@ import triton  # noqa: E402
 
 import smemguard  # noqa: E402
 from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel  # noqa: E402
-from smemguard.settings import Settings  # noqa: E402
+from smemguard.facts.settings import Settings  # noqa: E402
 from smemguard.testing import load_check_failures as load_checks  # noqa: E402
 
 

@@ -23,19 +23,23 @@ from pathlib import Path
 from triton import knobs
 
 import smemguard
-from smemguard import cli, decisions, gpus, introspect, layers, preflight
+from smemguard.cli import commands
+from smemguard.store import decision_cache
+from smemguard.facts import gpus
+from smemguard.kernels import introspect, tuners
+from smemguard import preflight
 from smemguard.preflight import decide
-from smemguard.settings import Settings
+from smemguard.facts.settings import Settings
 from smemguard.testing import fake_gpu
 
 
 def launch_as_checked(kernel, variant, spec, gpu) -> None:
     """``kernel`` launched through its own layers as the check compiled ``variant`` in ``spec`` for ``gpu``."""
     args, kwargs, config = decide.stand_in_launch(kernel, variant, spec, gpu)
-    tuner = next((layer for layer in introspect.chain(kernel.launched) if layers.tuner_for(layer)), None)
+    tuner = next((layer for layer in introspect.chain(kernel.launched) if tuners.tuner_for(layer)), None)
     if tuner is not None:
         tuner.cache.clear()
-        tuner.cache[layers.tuning_key(tuner, args, kwargs)] = config
+        tuner.cache[tuners.tuning_key(tuner, args, kwargs)] = config
     kernel.launched[decide.stand_in_grid](*args, **kwargs)
 
 
@@ -76,13 +80,13 @@ def main(argv=None) -> int:
     file = args.decisions or scratch / "decisions.json"
     targets = [*args.targets, *(["--examples"] if args.examples or not args.targets else [])]
     if args.decisions is None:
-        status = cli.main(["check", *targets, "--gpu", args.gpu, "--decisions", str(file), "--quiet"])
+        status = commands.main(["check", *targets, "--gpu", args.gpu, "--decisions", str(file), "--quiet"])
         if status not in (0, 1):
             return status
     imported, empty = scratch / "imported", scratch / "empty"
-    assert cli.main(["cache", "import", str(file), "--dir", str(imported)]) == 0
+    assert commands.main(["cache", "import", str(file), "--dir", str(imported)]) == 0
     empty.mkdir(mode=0o700)
-    stored = {key for table in decisions.KINDS for key in json.loads(file.read_text())[table]}
+    stored = {key for table in decision_cache.KINDS for key in json.loads(file.read_text())[table]}
     kernels = preflight.discover(args.targets, examples=args.examples or not args.targets)
     report = preflight.check(kernels, [gpus.lookup(name) for name in args.gpu.split(",")], jobs=1,
                              cache=preflight.default_cache())

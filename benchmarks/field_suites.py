@@ -526,7 +526,7 @@ def check_limits(limits: list[str], smemguard: Path) -> None:
     """Every limit must be one smemguard's settings accept; checked with the smemguard that will run."""
     sys.path.insert(0, str(smemguard))
     try:
-        from smemguard.settings import parse_max_shared
+        from smemguard.facts.settings import parse_max_shared
     finally:
         sys.path.pop(0)
     for limit in limits:
@@ -718,6 +718,7 @@ def main(argv=None) -> int:
         results["runs"] += earlier_plain_runs(args.plain_from, args.suites)
     harness.progress(f"{len(planned_runs(args))} runs, {args.jobs} at a time; work directory {work}; "
                      f"environment {json.dumps(environment)}")
+
     def finished(result: dict) -> None:
         results["runs"].append(result)
         results["wall_s"] = round(time.time() - started, 1)

@@ -41,7 +41,7 @@ from triton import knobs
 scenario, limit, harness = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 log = pathlib.Path(tempfile.mkdtemp()) / "incidents.jsonl"
 import smemguard
-from smemguard.settings import Settings
+from smemguard.facts.settings import Settings
 from smemguard.examples import FLAGGEMS_MATMUL_CONFIGS, autotuned_matmul, matmul_args, matmul_kernel, tiled_grid
 
 compiles = []

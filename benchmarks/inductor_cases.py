@@ -258,7 +258,7 @@ def run_case(case: dict) -> dict:
         result["flex_configs"] = _flex_configs_recorded((8, 0) if case.get("choice") == "sm8x" else None)
     if case["smemguard"]:
         import smemguard
-        from smemguard import settings
+        from smemguard.facts import settings
 
         smemguard.install()
         result["smemguard"] = {"version": smemguard.__version__, "installed": smemguard.is_installed(),

@@ -54,7 +54,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from smemguard import settings as smemguard_settings  # noqa: E402  (imports neither torch nor Triton)
+from smemguard.facts import settings as smemguard_settings  # noqa: E402  (imports neither torch nor Triton)
 
 WORKER = Path(__file__).resolve().parent / "inductor_cases.py"
 RESULTS_NAME = "inductor_matrix.json"

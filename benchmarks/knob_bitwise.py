@@ -64,7 +64,7 @@ def knob_rows(a, b) -> list[dict]:
 def recovery_row(a, b) -> dict:
     """smemguard lowering a pipeline-depth parameter with the option, compared with the unguarded run."""
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
     from kernels import depth_parameter_matmul, matmul_args
 
     tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4, num_stages=4)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smemguard  # noqa: E402
 from smemguard.examples import matmul_args, matmul_kernel  # noqa: E402
-from smemguard.settings import Settings  # noqa: E402
+from smemguard.facts.settings import Settings  # noqa: E402
 
 
 @triton.jit

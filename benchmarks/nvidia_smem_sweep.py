@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/nvidia_smem_sweep.py --part versions --part dtypes --out nvidia_smem_sweep.csv
     PYTHONPATH=. python benchmarks/nvidia_smem_sweep.py --summary --out tests/data/nvidia_smem_sweep.csv
 
-The calibration of ``smemguard check``'s estimate for these archs (``smemguard/estimate.py``;
+The calibration of ``smemguard check``'s estimate for these archs (``smemguard/kernels/estimate.py``;
 sm_80, sm_89 and sm_90 were calibrated on ``tests/data/triton36_smem_sweep.csv``). Every row is one
 compile by the check's own compiler (``sweeping.py``), for:
 

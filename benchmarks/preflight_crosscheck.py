@@ -35,8 +35,9 @@ from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import gpus, preflight
-from smemguard.examples import (attention_args, attention_grid, matmul_args, matmul_kernel, tiled_grid)
+from smemguard.facts import gpus
+from smemguard import preflight
+from smemguard.examples import attention_args, attention_grid, matmul_args, matmul_kernel, tiled_grid
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def main() -> int:
     print(f"{name} (sm_{capability[0]}{capability[1]}, {device_limit} B per block), Triton {triton.__version__}, "
           f"torch {torch.__version__}")
     if gpu is None or gpu.max_shared != device_limit or gpu.capability != capability[0] * 10 + capability[1]:
-        print(f"smemguard's GPU table says {gpu} for this device: fix smemguard/gpus.py first", file=sys.stderr)
+        print(f"smemguard's GPU table says {gpu} for this device: fix smemguard/facts/gpus.py first", file=sys.stderr)
         return 2
 
     targets = list(dict.fromkeys(case.target for case in CASES))

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import triton
 
-from smemguard import gpus, preflight
-from smemguard.cli_check import parse_gpus
+from smemguard.facts import gpus
+from smemguard import preflight
+from smemguard.cli.check import parse_gpus
 
 GPUS = "T4,L4,A100,H100,MI300X"
 GOAL_SECONDS = 180.0

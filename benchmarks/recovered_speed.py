@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smemguard  # noqa: E402
 from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel, tiled_grid  # noqa: E402
-from smemguard import runtime  # noqa: E402
-from smemguard.settings import Settings  # noqa: E402
+from smemguard.facts import process  # noqa: E402
+from smemguard.facts.settings import Settings  # noqa: E402
 
 LIMITS = {"L20": 101376, "A100": 166912}
 CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=s,
@@ -88,7 +88,7 @@ def run_shape(m, n, k, dtype, scratch: Path) -> list[dict]:
         smemguard.uninstall()
     key = next(iter(tuned.cache))
     winner = tuned.cache[key]
-    timings = runtime.timings(tuned, key)
+    timings = process.timings(tuned, key)
     shared = {}
     for config in CONFIGS:
         try:

@@ -30,7 +30,7 @@ import json, sys, time, torch
 from triton import knobs
 sys.path.insert(0, sys.argv[1])
 import smemguard
-from smemguard import recovery
+from smemguard.engine import recovery
 from smemguard.examples import matmul_args, matmul_kernel
 
 compiled, handled = [], []

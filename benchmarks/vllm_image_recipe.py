@@ -41,7 +41,7 @@ def prefill(cache_dir: str) -> dict:
     from triton import knobs
 
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
     from smemguard.testing import fake_gpu
 
     compiled = []
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="smemguard-recipe-"))
     out.mkdir(parents=True, exist_ok=True)
-    smemguard = [sys.executable, "-c", "import sys; from smemguard.cli import main; sys.exit(main())"]
+    smemguard = [sys.executable, "-c", "import sys; from smemguard.cli.commands import main; sys.exit(main())"]
     started = time.perf_counter()
     check = run([*smemguard, "check", "--gpu", "L4", "--decisions", str(out / "l4-decisions.json"), "--quiet",
                  TARGET, *HINTS])

@@ -58,7 +58,7 @@ def as_cuda_gpu(gpu: str) -> None:
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
-    from smemguard import gpus
+    from smemguard.facts import gpus
 
     major, minor = divmod(gpus.lookup(gpu).target_arch, 10)
     platform = type(current_platform)
@@ -130,7 +130,7 @@ def turboquant(gpu, what, preset, head=128, batch=2, q_heads=32, kv_heads=8, blo
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
     from vllm.v1.attention.ops import triton_turboquant_decode as decode, triton_turboquant_store as store
 
-    from smemguard import gpus
+    from smemguard.facts import gpus
 
     e4b15 = int(gpus.lookup(gpu).target_arch < 89)
     decode._FP8_E4B15[0] = e4b15  # vLLM asks torch.cuda for the capability here
@@ -324,7 +324,7 @@ def run_case(name: str, gpu: str, mode: str) -> dict:
     from triton.runtime.errors import OutOfResources
 
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
     from smemguard.testing import fake_gpu
 
     import importlib

@@ -1,4 +1,4 @@
-"""What declaring a wrapper's tile choice costs a healthy call (smemguard/wrapper_tiles.py): the same wrapper
+"""What declaring a wrapper's tile choice costs a healthy call (smemguard/engine/wrapper_tiles.py): the same wrapper
 undeclared and declared, smemguard installed, interleaved blocks, median microseconds per call.
 
     PYTHONPATH=.:tests python benchmarks/wrapper_tiles_cost.py [--calls 2000] [--blocks 15]
@@ -27,7 +27,7 @@ def main() -> int:
     import triton
 
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
     from smemguard.testing import fake_gpu
 
     from kernels import matmul_args, matmul_kernel

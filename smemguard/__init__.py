@@ -6,9 +6,13 @@
 Importing this package imports neither Triton nor torch.
 """
 
+from . import _moved
 from ._version import __version__
+
+_moved.add_finder()  # before anything else of ours is imported
+
 from .guard import install, is_installed, uninstall  # noqa: E402
-from .registry import (  # noqa: E402
+from .kernels.registry import (  # noqa: E402
     register_alternatives,
     register_fallback,
     unregister_alternatives,
@@ -24,11 +28,11 @@ def __getattr__(name):
     # The pruner is not needed to guard launches: every vLLM process imports smemguard at plugin
     # registration, so it loads on first use only.
     if name in ("fits", "fits_for"):
-        from . import pruning
+        from .kernels import pruning
 
         return getattr(pruning, name)
     if name in ("tile_choice", "tiles_at_launch", "rerun_on_overflow"):  # for wrappers; imports Triton when used
-        from . import wrapper_tiles
+        from .engine import wrapper_tiles
 
         return getattr(wrapper_tiles, name)
     raise AttributeError(f"module 'smemguard' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Installing and removing the guard: idempotent, under one lock, all or nothing.
 
 If Triton is not imported yet, :func:`install` registers a post-import hook and patches
-when it is. Installing builds the engine (:class:`smemguard.engine.Engine`) and hands it to every
+when it is. Installing builds the engine (:class:`smemguard.engine.core.Engine`) and hands it to every
 patch; uninstalling closes it. The patch modules are listed once, in :data:`smemguard.patches.MODULES`,
 and each declares its :class:`~smemguard.patches.Patch` (see :mod:`smemguard.patches`):
 
@@ -18,10 +18,12 @@ import logging
 import sys
 import threading
 
-from . import metrics, runtime, settings as settings_module, versions
 from ._version import __version__
-from .engine import Engine
-from .settings import Settings, SettingsError
+from .engine.core import Engine
+from .facts import process, versions
+from .facts import settings as settings_module
+from .facts.settings import Settings, SettingsError
+from .store import metrics
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,12 @@ def _admitted(patch, settings: Settings) -> bool:
     read (one line); above the newest checked, applied unverified (one info line), except in strict mode."""
     refusal = patch.supported.refusal()
     if refusal is not None:
-        runtime.warn_once(log, ("unsupported", patch.name), "smemguard: %s; %s is left untouched and runs unguarded. "
+        process.warn_once(log, ("unsupported", patch.name), "smemguard: %s; %s is left untouched and runs unguarded. "
                           "Fix: upgrade %s or smemguard.", refusal, patch.target, patch.supported.name)
         return False
     unverified = patch.supported.unverified()
     if unverified is not None and settings.mode == "strict":
-        runtime.warn_once(log, ("unverified", patch.name), "smemguard: %s; %s is not applied (SMEMGUARD=strict "
+        process.warn_once(log, ("unverified", patch.name), "smemguard: %s; %s is not applied (SMEMGUARD=strict "
                           "refuses unverified patches) and %s runs unguarded", unverified, patch.name, patch.target)
         return False
     return True
@@ -59,10 +61,10 @@ def _note_applied(patch, *, announce: bool = True) -> None:
     """Remember the patch as applied (for the install line, the records and ``smemguard versions``); one info
     line when it applied unverified (the Triton patches say it once, on the install line)."""
     unverified = patch.supported.unverified()
-    runtime.note_patch(patch.name, patch.supported.name, versions.installed(patch.supported.package),
+    process.note_patch(patch.name, patch.supported.name, versions.installed(patch.supported.package),
                        unverified is None)
     if unverified is not None and announce:
-        runtime.warn_once(log, ("applied unverified", patch.name), "smemguard: %s applied unverified: %s; its "
+        process.warn_once(log, ("applied unverified", patch.name), "smemguard: %s applied unverified: %s; its "
                           "patch-time checks passed (records say verified: false)", patch.name, unverified,
                           level=logging.INFO)
 
@@ -129,7 +131,7 @@ def _patch(settings: Settings) -> bool:
     global _active, _guarding_triton
     from .patches import TRITON, triton_patches
 
-    version = runtime.triton_version()
+    version = process.triton_version()
     problems = [problem for problem in (TRITON.refusal(), TRITON.unverified() if settings.mode == "strict" else None)
                 if problem is not None]
     engine = Engine(settings)
@@ -139,19 +141,19 @@ def _patch(settings: Settings) -> bool:
         for patch in reversed(triton_patches()):
             _roll_back(patch)
         engine.close()
-        runtime.forget_patches()
+        process.forget_patches()
         raise SettingsError(f"smemguard {__version__}: {'; '.join(problems)}; Triton is left untouched (strict mode)")
     for problem in problems:
         log.warning("smemguard %s: %s; %s", __version__, problem, "those targets are left untouched"
-                    if runtime.applied_patches() else "Triton is left untouched and kernels run unguarded. "
+                    if process.applied_patches() else "Triton is left untouched and kernels run unguarded. "
                     "Fix: upgrade Triton or smemguard.")
     _active = engine
-    runtime.set_installed_settings(settings)
-    _guarding_triton = bool(runtime.applied_patches())
+    process.set_installed_settings(settings)
+    _guarding_triton = bool(process.applied_patches())
     metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s; %s", __version__, version, settings.mode,
-             settings.describe_limit(), runtime.applied_text())
+             settings.describe_limit(), process.applied_text())
     return _guarding_triton
 
 
@@ -217,10 +219,10 @@ def _report(settings: Settings) -> None:
 def install(settings: Settings | None = None) -> bool:
     """Guard every Triton launch in this process. Idempotent and thread-safe.
 
-    ``settings`` defaults to the environment (:mod:`smemguard.settings`). Returns True when
+    ``settings`` defaults to the environment (:mod:`smemguard.facts.settings`). Returns True when
     the guard is installed, or will be once Triton is imported; False when it is off or
     could not be installed (the reason is logged). In ``strict`` mode a misconfiguration
-    raises :class:`~smemguard.settings.SettingsError` instead.
+    raises :class:`~smemguard.facts.settings.SettingsError` instead.
     """
     global _pending, _hook_registered
     settings = settings or settings_module.current()
@@ -248,7 +250,7 @@ def uninstall() -> None:
     global _active, _pending, _guarding_triton
     with _lock:
         engine, _pending, _active = _active, None, None
-        runtime.set_installed_settings(None)
+        process.set_installed_settings(None)
         _guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
@@ -257,7 +259,7 @@ def uninstall() -> None:
 
         if engine is not None:
             engine.close()
-        runtime.forget_patches()
+        process.forget_patches()
         for patch in reversed(all_patches()):
             try:
                 patch.unpatch()

@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from . import gpus
+from .facts import gpus
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
              max_threads: int = 1024) -> Iterator[FakeGpu]:
     """Make Triton compile for and "launch" on a stand-in GPU.
 
-    ``gpu`` is a name from :mod:`smemguard.gpus` (NVIDIA or AMD: "L4", "MI300X") or an
+    ``gpu`` is a name from :mod:`smemguard.facts.gpus` (NVIDIA or AMD: "L4", "MI300X") or an
     integer NVIDIA arch (89). ``max_shared`` overrides the table's limit. ``cache_dir`` is
     Triton's cache (default: a fresh temp dir).
     """
@@ -264,7 +264,7 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
     else:
         known = gpus.lookup(gpu)
         if known is None:
-            raise ValueError(f"fake_gpu needs a GPU name from smemguard.gpus (see 'smemguard gpus') or an NVIDIA "
+            raise ValueError(f"fake_gpu needs a GPU name from smemguard.facts.gpus (see 'smemguard gpus') or an NVIDIA "
                              f"arch number, not {gpu!r}")
         arch, limit = known.target_arch, max_shared or known.max_shared
     if limit is None:

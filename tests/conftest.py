@@ -20,9 +20,9 @@ os.environ["TRITON_HOME"] = _CACHES
 import pytest  # noqa: E402
 
 import smemguard  # noqa: E402
-from smemguard import runtime  # noqa: E402
-from smemguard.engine import Engine  # noqa: E402
-from smemguard.settings import Settings  # noqa: E402
+from smemguard.facts import process  # noqa: E402
+from smemguard.engine.core import Engine  # noqa: E402
+from smemguard.facts.settings import Settings  # noqa: E402
 
 
 def pytest_unconfigure(config):
@@ -63,7 +63,7 @@ def install_guard(incident_log):
         assert smemguard.install(settings)
         return settings
 
-    runtime.forget_warnings()
+    process.forget_warnings()
     yield install
     smemguard.uninstall()
 
@@ -71,7 +71,7 @@ def install_guard(incident_log):
 @pytest.fixture(autouse=True)
 def _never_leave_the_guard_installed():
     yield
-    if runtime.installed_settings() is not None:
+    if process.installed_settings() is not None:
         smemguard.uninstall()
         pytest.fail("a test left smemguard installed")
 

@@ -18,7 +18,7 @@ pytest_torch = __import__("pytest").importorskip("torch._inductor.runtime.triton
 from torch._inductor.runtime import triton_heuristics, triton_helpers  # noqa: E402
 from torch._inductor.runtime.hints import DeviceProperties  # noqa: E402
 
-from smemguard import gpus  # noqa: E402
+from smemguard.facts import gpus  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
 
 

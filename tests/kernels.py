@@ -39,7 +39,7 @@ def vllm_style_persistent_matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# -- Kernels that write their own pipeline depth (smemguard.knobs) ---------------------------------
+# -- Kernels that write their own pipeline depth (smemguard.kernels.parameters) ---------------------------------
 
 @triton.jit
 def _pipelined_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,

@@ -12,7 +12,8 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import gpus, preflight
+from smemguard.facts import gpus
+from smemguard import preflight
 from smemguard.testing import fake_gpu
 
 from conftest import records

@@ -23,7 +23,7 @@ from triton.runtime.errors import OutOfResources
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from smemguard import gpus  # noqa: E402
+from smemguard.facts import gpus  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
 
 from conftest import records  # noqa: E402
@@ -50,6 +50,7 @@ def block_fp8_matmul(kernel, M, N, K, config):
     As = torch.empty(M, triton.cdiv(K, 128), dtype=torch.float32)
     Bs = torch.empty(triton.cdiv(N, 128), triton.cdiv(K, 128), dtype=torch.float32)
     C = torch.empty(M, N, dtype=torch.bfloat16)
+
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_SIZE_M"]) * triton.cdiv(N, meta["BLOCK_SIZE_N"]),)
 

@@ -10,7 +10,8 @@ import time
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from smemguard import cli, report, untrusted
+from smemguard.cli import commands, report
+from smemguard.facts import untrusted
 
 from conftest import run_python
 from test_untrusted_input import RECORD, json_value, run
@@ -63,7 +64,7 @@ def test_a_gzip_of_256_mib_of_blank_lines_is_read_in_seconds(tmp_path, capsys):
     blank_mib = gzip.compress(b"\n" * 2**20, mtime=0)  # 1 KiB: the file is gzip members, one after the other
     path.write_bytes(blank_mib * 256 + gzip.compress(json.dumps(RECORD).encode() + b"\nx\n", mtime=0))
     started = time.monotonic()
-    assert cli.main(["report", "--json", str(path)]) == 2
+    assert commands.main(["report", "--json", str(path)]) == 2
     elapsed = time.monotonic() - started
     out, err = capsys.readouterr()
     assert [row["count"] for row in json.loads(out)["rows"]] == [1]
@@ -76,7 +77,7 @@ def test_reading_stops_after_max_lines_that_are_not_blank_and_says_where(tmp_pat
     monkeypatch.setattr(untrusted, "MAX_LINES", 1000)
     path = tmp_path / "i.jsonl"
     path.write_text((json.dumps(RECORD) + "\n\n") * 1500)  # a blank line after each: numbered, not counted
-    assert cli.main(["report", "--json", str(path)]) == 2
+    assert commands.main(["report", "--json", str(path)]) == 2
     out, err = capsys.readouterr()
     assert [row["count"] for row in json.loads(out)["rows"]] == [1000]
     assert err == f"smemguard report: {path}: holds more than 1,000 lines that are not blank; reading stopped at " \
@@ -93,7 +94,7 @@ def test_a_sparse_file_of_5_gib_says_its_first_line_is_too_long(tmp_path, capsys
     zipped = tmp_path / "zeros.jsonl.gz"
     zipped.write_bytes(gzip.compress(bytes(2**20), mtime=0) * 1025)
     for path, after in ((sparse, ""), (zipped, " after gunzip")):
-        assert cli.main(["report", str(path)]) == 2
+        assert commands.main(["report", str(path)]) == 2
         assert capsys.readouterr().err.splitlines() == [
             f"smemguard report: {path}:1: longer than 16 MiB; line skipped",
             f"smemguard report: {path}: holds more than 1 GiB{after}; reading stopped there, in line 1",
@@ -144,7 +145,7 @@ def test_records_of_another_schema_are_skipped_and_counted_in_one_line(tmp_path,
 def test_replay_skips_a_record_of_another_schema(tmp_path, capsys):
     path = tmp_path / "i.jsonl"
     path.write_text(json.dumps({**RECORD, "schema": 2}) + "\n")
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"smemguard replay: {path}: 1 record(s) of another schema skipped; the first, line 1: 'schema' is 2, "
         "expected 1, the schema this smemguard reads",

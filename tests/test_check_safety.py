@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from smemguard import cli, cli_check
+from smemguard.cli import commands, check
 
 from conftest import ROOT, run_python
 
@@ -27,7 +27,7 @@ COPY_KERNEL = """
 #: What a target does at import only in a compile worker (the check's own process imported it fine).
 IN_WORKER_ONLY = "import multiprocessing\nif multiprocessing.parent_process() is not None:\n"
 
-several_cpus = pytest.mark.skipif(cli_check.usable_cpus() < 2, reason="compile workers need --jobs 2, 2 CPUs")
+several_cpus = pytest.mark.skipif(check.usable_cpus() < 2, reason="compile workers need --jobs 2, 2 CPUs")
 
 
 def check_process(argv, cwd, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
@@ -43,7 +43,7 @@ def check_process(argv, cwd, timeout=120) -> tuple[subprocess.CompletedProcess, 
 
 def test_help_says_the_check_runs_the_target_and_how_to_run_it_safely(capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["check", "--help"])
+        commands.build_parser().parse_args(["check", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for expected in ("The check runs the target's code: it imports TARGET",
                      "in this process, and again in each compiler process (--jobs)",
@@ -143,7 +143,7 @@ def test_meta_options_no_launch_takes_are_refused_with_one_line(tmp_path, capsys
     target = str(tmp_path / "meta_target_kernels.py")
 
     def refused(meta, gpus="L4"):
-        assert cli.main(["check", target, "--gpu", gpus, "--meta", meta, "--no-cache", "--jobs", "1"]) == 2, meta
+        assert commands.main(["check", target, "--gpu", gpus, "--meta", meta, "--no-cache", "--jobs", "1"]) == 2, meta
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1, lines
         return lines[0]
@@ -181,7 +181,7 @@ def test_meta_options_at_their_bounds_are_checked(tmp_path, capsys):
     for gpu, meta in (("H100", "BLOCK=64,num_warps=32,num_stages=32"),
                       ("MI300X", "BLOCK=64,num_warps=16,num_stages=1,waves_per_eu=2")):
         argv = ["check", target, "--gpu", gpu, "--meta", meta, "--no-cache", "--jobs", "1", "--json", "--quiet"]
-        assert cli.main(argv) == 0, capsys.readouterr().err
+        assert commands.main(argv) == 0, capsys.readouterr().err
         [config] = json.loads(capsys.readouterr().out)["kernels"][0]["configs"]
         assert f"num_warps={config['num_warps']}" in meta and f"num_stages={config['num_stages']}" in meta
         assert {spec["verdict"] for spec in config["gpus"][gpu]["specializations"].values()} == {"fits"}
@@ -189,8 +189,8 @@ def test_meta_options_at_their_bounds_are_checked(tmp_path, capsys):
 
 def test_jobs_beyond_the_usable_cpus_are_lowered_with_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "jobs_kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
-    monkeypatch.setattr(cli_check, "usable_cpus", lambda: 1)
-    assert cli.main(["check", str(tmp_path / "jobs_kernels.py"), "--gpu", "L4", "--jobs", "100000",
+    monkeypatch.setattr(check, "usable_cpus", lambda: 1)
+    assert commands.main(["check", str(tmp_path / "jobs_kernels.py"), "--gpu", "L4", "--jobs", "100000",
                      "--no-cache"]) == 0
     err = capsys.readouterr().err
     assert ("smemguard check: --jobs 100000 lowered to 1, the CPUs this process can use: more processes compile no "
@@ -201,7 +201,7 @@ def test_jobs_beyond_the_usable_cpus_are_lowered_with_one_line(tmp_path, monkeyp
 @pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "1e12", "soon"])
 def test_a_timeout_that_bounds_nothing_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as usage:
-        cli.main(["check", "--examples", "--gpu", "L4", "--timeout", value])
+        commands.main(["check", "--examples", "--gpu", "L4", "--timeout", value])
     assert usage.value.code == 2
     assert f"expected seconds, more than 0 and at most 86400, not {value!r}" in capsys.readouterr().err
 

@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from smemguard import cli, gpus, settings
+from smemguard.cli import commands
+from smemguard.facts import gpus, settings
 
 from conftest import ROOT, records
 
@@ -32,7 +33,7 @@ def clean_tmp(tmp_path, monkeypatch):
 
 
 def test_demo_shows_the_overflow_and_the_recovery(capsys, clean_tmp):
-    assert cli.main(["demo"]) == 0
+    assert commands.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "1. autotune a 512x512 fp16 matmul over 2 configs on misaligned views\n" in out
     assert "OutOfResources: shared memory, Required: 131072, Hardware limit: 101376" in out
@@ -45,7 +46,7 @@ def test_demo_shows_the_overflow_and_the_recovery(capsys, clean_tmp):
 
 
 def test_demo_shows_the_autotune_trap_on_an_amd_gpu(capsys, clean_tmp):
-    assert cli.main(["demo", "--gpu", "MI300X"]) == 0
+    assert commands.main(["demo", "--gpu", "MI300X"]) == 0
     out = capsys.readouterr().out
     assert "a stand-in MI300X (gfx942, 65536 B of LDS (shared memory) per workgroup)" in out
     assert "1. autotune a 512x512 fp16 matmul over 2 configs on misaligned views\n" in out
@@ -66,7 +67,7 @@ def test_demo_overflows_and_recovers_on_every_gpu(capsys, gpu):
     """T4 and V100 have no asynchronous copies (a config tuned on an A100 overflows them); gfx950 and
     gfx1100 pipeline misaligned loads too (one tuned on an H100 does); the others multi-buffer aligned
     loads only (the autotune trap)."""
-    assert cli.main(["demo", "--gpu", gpu]) == 0
+    assert commands.main(["demo", "--gpu", gpu]) == 0
     out = capsys.readouterr().out
     limit = gpus.lookup(gpu).max_shared
     assert f"Hardware limit: {limit}" in out and "-> ran with" in out
@@ -80,7 +81,7 @@ def test_demo_overflows_and_recovers_on_every_gpu(capsys, gpu):
 
 
 def test_demo_rejects_a_gpu_it_does_not_know(capsys):
-    assert cli.main(["demo", "--gpu", "MI999"]) == 2
+    assert commands.main(["demo", "--gpu", "MI999"]) == 2
     err = capsys.readouterr().err
     assert "'MI999' is not a GPU from 'smemguard gpus'" in err and "MI300X" in err
 
@@ -88,7 +89,7 @@ def test_demo_rejects_a_gpu_it_does_not_know(capsys):
 def test_demo_says_why_it_cannot_compile_for_an_amd_gpu_here(capsys, monkeypatch):
     reason = "Triton 3.4.0 links AMD code objects with an external ld.lld"
     monkeypatch.setattr("smemguard.preflight.compiling.hip_compile_problem", lambda: reason)
-    assert cli.main(["demo", "--gpu", "MI300X"]) == 2
+    assert commands.main(["demo", "--gpu", "MI300X"]) == 2
     assert f"smemguard demo: cannot compile for the MI300X (gfx942) here: {reason}" in capsys.readouterr().err
 
 
@@ -97,7 +98,7 @@ def test_demo_appends_its_record_to_smemguard_log(tmp_path, monkeypatch, capsys,
     log.write_text('{"kept": "as it was"}\n')
     monkeypatch.setenv("SMEMGUARD_LOG", str(log))
     monkeypatch.setenv("SMEMGUARD_MAX_SHARED", "T4")
-    assert cli.main(["demo"]) == 0
+    assert commands.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert f"incident record ({log}):" in out and "(SMEMGUARD_MAX_SHARED does not apply here" in out
     kept, record = records(log)
@@ -109,7 +110,7 @@ def test_demo_appends_its_record_to_smemguard_log(tmp_path, monkeypatch, capsys,
                                          ("off", "smemguard is off, nothing installed")])
 def test_demo_honours_smemguard_mode(monkeypatch, capsys, mode, after):
     monkeypatch.setenv("SMEMGUARD", mode)
-    assert cli.main(["demo"]) == 0
+    assert commands.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert f"3. the same launch with smemguard installed (SMEMGUARD={mode})" in out
     assert f"-> OutOfResources again: {after}" in out and "4. again" not in out
@@ -117,31 +118,31 @@ def test_demo_honours_smemguard_mode(monkeypatch, capsys, mode, after):
 
 
 def test_gpus_table_and_json(capsys):
-    assert cli.main(["gpus"]) == 0
+    assert commands.main(["gpus"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["GPU", "aliases", "arch", "bytes/block"]
     assert any(line.split()[:1] == ["L4"] and line.split()[-2:] == ["sm_89", "101376"] for line in lines)
-    assert cli.main(["gpus", "--json"]) == 0
+    assert commands.main(["gpus", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
     assert {"name": "T4", "aliases": [], "arch": "sm_75", "max_shared": 65536} in table
 
 
 def test_help_teaches_the_commands_settings_and_exit_statuses(capsys):
-    assert cli.main([]) == 2
+    assert commands.main([]) == 2
     out = capsys.readouterr().out
     for text in ("demo", "gpus", "VLLM_PLUGINS=smemguard", "SMEMGUARD_MAX_SHARED", "examples:", "exit status",
                  "2 bad input"):
         assert text in out
     for command in ("demo", "gpus", "report", "replay", "cache", "check"):
         with pytest.raises(SystemExit):
-            cli.main([command, "--help"])
+            commands.main([command, "--help"])
         assert "xit status" in capsys.readouterr().out, command
 
 
 def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys):
     monkeypatch.setenv("SMEMGUARD", "bogus")
     monkeypatch.setenv("SMEMGUARD_CACHEDIR", "/tmp")
-    assert cli.main(["gpus"]) == 0
+    assert commands.main(["gpus"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("GPU")
     assert err.splitlines() == [
@@ -153,7 +154,7 @@ def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys)
 
 def test_an_unknown_patch_in_smemguard_disable_is_reported_like_an_unknown_setting(monkeypatch, capsys, caplog):
     monkeypatch.setenv("SMEMGUARD_DISABLE", "kernel_warmup, kernel_warmpu")
-    assert cli.main(["gpus"]) == 0
+    assert commands.main(["gpus"]) == 0
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("smemguard: SMEMGUARD_DISABLE: kernel_warmpu is not a smemguard patch (did you mean "
                            "kernel_warmup?); known: max_shared_mem, ")
@@ -162,7 +163,7 @@ def test_an_unknown_patch_in_smemguard_disable_is_reported_like_an_unknown_setti
 def test_strict_mode_stops_every_command_on_a_bad_setting(monkeypatch, capsys):
     monkeypatch.setenv("SMEMGUARD", "strict")
     monkeypatch.setenv("SMEMGUARD_MAX_SHARED", "a lot")
-    assert cli.main(["gpus"]) == 2
+    assert commands.main(["gpus"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines()[-1] == "smemguard: SMEMGUARD=strict: stopping on the settings problem(s) above"
@@ -171,7 +172,7 @@ def test_strict_mode_stops_every_command_on_a_bad_setting(monkeypatch, capsys):
 def test_the_cli_hides_torchs_numpy_warning_and_nothing_else(tmp_path):
     """torch warns at import without NumPy; the filter is the CLI's own and ends with the command."""
     filters = list(warnings.filters)
-    assert cli.main(["gpus"]) == 0
+    assert commands.main(["gpus"]) == 0
     assert warnings.filters == filters
     record = tmp_path / "i.jsonl"
     record.write_text(json.dumps({"schema": 1, "kernel": "m:k", "action": "x",
@@ -188,13 +189,13 @@ def test_the_cli_hides_torchs_numpy_warning_and_nothing_else(tmp_path):
 def test_cache_import_without_a_file_shows_the_cache_commands_usage(capsys):
     """Issue 33: the usage of `smemguard cache`, not the top level's, and exit status 2."""
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["cache", "import"])
+        commands.main(["cache", "import"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("usage: smemguard cache") and "cache import needs a FILE" in err
 
 
 def test_help_names_every_setting(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--help"])
+        commands.main(["--help"])
     out = capsys.readouterr().out
     assert [name for name in settings.KNOWN if name not in out] == []

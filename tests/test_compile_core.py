@@ -10,9 +10,9 @@ import triton.language as tl
 from triton.compiler import compiler
 
 import smemguard
-from smemguard import runtime
+from smemguard.facts import process
 from smemguard.patches import triton_compile
-from smemguard.settings import Settings
+from smemguard.facts.settings import Settings
 from smemguard.testing import fake_gpu, load_check_failures as load_checks
 
 from conftest import records
@@ -59,7 +59,7 @@ def test_the_next_process_compiles_the_fitting_variant_first(incident_log, tmp_p
         assert raised == [] and gpu.launches[-1].num_stages == 4
     first, *again = records(incident_log)
     assert first["remembered"] is False
-    if runtime.triton_release() >= (3, 5):
+    if process.triton_release() >= (3, 5):
         assert again == [], "the JIT compiled the stored variant: nothing overflowed"
     else:
         assert [(r["remembered"], r["compiles"]) for r in again] == [(True, 1)]
@@ -75,7 +75,7 @@ def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guar
         gpu.bench_ms = iter([1.0, 2.0] * 100).__next__  # the too-big config's variant times fastest
         kernel[lambda meta: (4, 4)](*matmul_args(*operands()))
     assert raised == [], "no OutOfResources, not even inside the benchmark"
-    timings = {str(cfg): ms for cfg, ms in runtime.timings(kernel, next(iter(kernel.cache))).items()}
+    timings = {str(cfg): ms for cfg, ms in process.timings(kernel, next(iter(kernel.cache))).items()}
     assert set(timings) == {str(too_big), str(fits)} and float("inf") not in timings.values()
     assert (gpu.launches[-1].num_stages, gpu.launches[-1].shared) == (4, 98304), "the timed variant runs"
     [record] = records(incident_log)
@@ -117,10 +117,10 @@ def test_smemguards_own_search_is_seen_by_the_threads_it_compiles_on():
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
-        assert pool.submit(bool, runtime.engine_compiling).result() is False
-        with runtime.engine_compiling.scope():
-            assert pool.submit(bool, runtime.engine_compiling).result() is True
-        assert pool.submit(bool, runtime.engine_compiling).result() is False
+        assert pool.submit(bool, process.engine_compiling).result() is False
+        with process.engine_compiling.scope():
+            assert pool.submit(bool, process.engine_compiling).result() is True
+        assert pool.submit(bool, process.engine_compiling).result() is False
 
 
 def test_observe_mode_leaves_every_binding_of_triton_compile_untouched(install_guard):
@@ -156,7 +156,7 @@ def test_every_torch_patch_applies_when_inductor_is_imported_as_torch_compile_im
 
     result = run_python("""
         import triton, smemguard
-        from smemguard.settings import Settings
+        from smemguard.facts.settings import Settings
         smemguard.install(Settings(max_shared=101376))
         import torch._inductor.compile_fx, torch._inductor.kernel.flex.flex_attention  # what torch.compile loads
         from smemguard.patches import inductor_cache_key, inductor_flex_configs, inductor_launchers

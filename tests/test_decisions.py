@@ -12,7 +12,7 @@ import pytest
 
 import triton
 
-from smemguard import decisions
+from smemguard.store import decision_cache
 from smemguard.patches import jit_compile
 
 from conftest import ROOT, TESTS, records
@@ -27,14 +27,14 @@ def stages(count: int) -> dict:
 
 
 def test_first_decision_stored_for_a_case_wins(tmp_path):
-    store = decisions.Store(tmp_path)
+    store = decision_cache.Store(tmp_path)
     first = store.put("compile", "case", stages(3))
     assert store.put("compile", "case", stages(2)) == first
-    assert decisions.Store(tmp_path).get("compile", "case") == stages(3), "on disk for others"
+    assert decision_cache.Store(tmp_path).get("compile", "case") == stages(3), "on disk for others"
 
 
 def test_a_change_by_another_process_is_seen(tmp_path):
-    mine, theirs = decisions.Store(tmp_path), decisions.Store(tmp_path)
+    mine, theirs = decision_cache.Store(tmp_path), decision_cache.Store(tmp_path)
     assert mine.get("launch", "case") is None
     theirs.put("launch", "case", RERAISED)
     assert mine.get("launch", "case") == RERAISED
@@ -43,10 +43,10 @@ def test_a_change_by_another_process_is_seen(tmp_path):
 def test_reading_a_cache_nobody_wrote_touches_nothing(tmp_path):
     """Every JIT compile miss asks the store: with no decisions there, no directory, no lock file."""
     directory = tmp_path / "not-yet"
-    store = decisions.Store(directory)
+    store = decision_cache.Store(directory)
     assert store.get("compile", "case") is None and store.get("launch", "case") is None
     assert not directory.exists()
-    decisions.Store(directory).put("compile", "case", stages(3))
+    decision_cache.Store(directory).put("compile", "case", stages(3))
     assert store.get("compile", "case") == stages(3), "a file written since is read"
 
 
@@ -54,7 +54,7 @@ def test_reading_a_cache_nobody_wrote_touches_nothing(tmp_path):
                                               ('{"schema": 99, "compile": {}, "launch": {}}', "schema 99")])
 def test_corrupt_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, caplog, content, problem):
     (tmp_path / "decisions.json").write_text(content)
-    store = decisions.Store(tmp_path)
+    store = decision_cache.Store(tmp_path)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
         assert store.get("compile", "case") is None
         store.put("compile", "case", stages(1))
@@ -69,7 +69,7 @@ def test_corrupt_or_foreign_file_is_moved_aside_with_one_warning(tmp_path, caplo
 def test_unusable_directory_warns_once_and_keeps_decisions_in_memory(tmp_path, caplog):
     blocked = tmp_path / "cache"
     blocked.write_text("a file, not a directory")
-    store = decisions.Store(blocked)
+    store = decision_cache.Store(blocked)
     with caplog.at_level(logging.WARNING, logger="smemguard"):
         store.put("compile", "a", stages(2))
         store.put("compile", "b", stages(1))
@@ -86,20 +86,20 @@ def test_what_a_stored_variant_needed_is_checked_when_read(overflow, usable):
     """``resource`` and ``required`` (from which a variant is refused before compiling) are optional, and bounded."""
     entry = {"action": "config_changed", "config": {"kwargs": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 2,
                                                     "num_ctas": 1, "maxnreg": None}, **overflow}
-    assert (decisions.entry_problems("launch", entry) == []) is usable
+    assert (decision_cache.entry_problems("launch", entry) == []) is usable
 
 
 def test_export_import_round_trip(tmp_path):
-    source = decisions.Store(tmp_path / "a")
+    source = decision_cache.Store(tmp_path / "a")
     source.put("compile", "x", stages(2))
     source.put("launch", "y", RERAISED)
-    exported, _ = decisions.read(source.path)
-    target = decisions.Store(tmp_path / "b")
+    exported, _ = decision_cache.read(source.path)
+    target = decision_cache.Store(tmp_path / "b")
     target.put("launch", "y", FALLBACK)
     assert target.merge(exported) == (1, 1)
     assert target.get("compile", "x") == stages(2)
     assert target.get("launch", "y") == FALLBACK, "what a host learned itself is kept"
-    assert target.clear() == 2 and decisions.read(target.path) == (decisions.empty(), [])
+    assert target.clear() == 2 and decision_cache.read(target.path) == (decision_cache.empty(), [])
     with pytest.raises(ValueError, match="schema"):
         target.merge({"schema": 0})
 
@@ -108,8 +108,8 @@ WORKER = """
     import json, sys, torch
     from triton import knobs
     import smemguard
-    from smemguard import recovery
-    from smemguard.settings import Settings
+    from smemguard.engine import recovery
+    from smemguard.facts.settings import Settings
     from smemguard.testing import fake_gpu
     from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid
 
@@ -159,10 +159,10 @@ def test_decisions_in_a_read_only_directory_apply_and_nothing_there_changes(tmp_
     writers' lock. Now its decisions apply, a new one stays in the process, and nothing in it changes."""
     cache = tmp_path / "cache"
     finish(run_worker(cache, triton_cache, tmp_path / "writer.jsonl", "stages"))
-    (cache / decisions.LOCK_NAME).unlink()
-    (cache / decisions.FILE_NAME).chmod(0o444)
+    (cache / decision_cache.LOCK_NAME).unlink()
+    (cache / decision_cache.FILE_NAME).chmod(0o444)
     cache.chmod(0o555)
-    baked = (cache / decisions.FILE_NAME).read_bytes()
+    baked = (cache / decision_cache.FILE_NAME).read_bytes()
     prefix = AS_ANY_USER if os.getuid() == 0 else ()
     try:
         stderr: list[str] = []
@@ -184,12 +184,12 @@ def test_decisions_in_a_read_only_directory_apply_and_nothing_there_changes(tmp_
                            "this process") == 1, stderr[1]
     show, clear = commands["show"], commands["clear"]
     assert (show.returncode, show.stderr) == (0, ""), "the setting is accepted as it is"
-    assert show.stdout.startswith(f"1 decisions in {cache / decisions.FILE_NAME}:") and \
+    assert show.stdout.startswith(f"1 decisions in {cache / decision_cache.FILE_NAME}:") and \
         show.stdout.endswith("(read-only: these apply; a new decision stays in the process that made it)\n")
     assert clear.returncode == 2 and clear.stderr == f"smemguard cache clear: {cache} is read-only: the decisions " \
         "in it apply, but this command writes; nothing was changed\n"
-    assert sorted(path.name for path in cache.iterdir()) == [decisions.FILE_NAME], "no lock file, nothing aside"
-    assert (cache / decisions.FILE_NAME).read_bytes() == baked
+    assert sorted(path.name for path in cache.iterdir()) == [decision_cache.FILE_NAME], "no lock file, nothing aside"
+    assert (cache / decision_cache.FILE_NAME).read_bytes() == baked
 
 
 def test_a_second_process_compiles_no_failing_variant(tmp_path, triton_cache):
@@ -238,10 +238,10 @@ def test_a_remembered_config_change_tries_no_candidates(tmp_path, triton_cache):
 def test_an_import_that_would_outgrow_what_readers_accept_writes_nothing(tmp_path, capsys):
     """Two imports of 12000 valid entries each would make a file over the 8 MiB every reader accepts: the second is
     refused with one line and nothing written, and the cache stays usable (issue 33)."""
-    from smemguard import cli
+    from smemguard.cli import commands
 
     def entries(first: int) -> dict:
-        data = decisions.empty()
+        data = decision_cache.empty()
         for n in range(first, first + 12000):
             data["compile"][f"{n:024x}"] = {"action": "stages_reduced", "final": "num_stages=3",
                                              "options": {"num_stages": 3}, "resource": "shared memory",
@@ -253,14 +253,14 @@ def test_an_import_that_would_outgrow_what_readers_accept_writes_nothing(tmp_pat
     cache = tmp_path / "cache"
     for name, first in (("one.json", 0), ("two.json", 12000)):
         (tmp_path / name).write_text(json.dumps(entries(first)))
-    assert cli.main(["cache", "import", str(tmp_path / "one.json"), "--dir", str(cache)]) == 0
-    before = (cache / decisions.FILE_NAME).read_bytes()
+    assert commands.main(["cache", "import", str(tmp_path / "one.json"), "--dir", str(cache)]) == 0
+    before = (cache / decision_cache.FILE_NAME).read_bytes()
     capsys.readouterr()
-    assert cli.main(["cache", "import", str(tmp_path / "two.json"), "--dir", str(cache)]) == 2
+    assert commands.main(["cache", "import", str(tmp_path / "two.json"), "--dir", str(cache)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "over the 8 MiB a decision file may hold; nothing imported" in err[0]
-    assert (cache / decisions.FILE_NAME).read_bytes() == before, "nothing written"
-    assert cli.main(["cache", "show", "--dir", str(cache)]) == 0, "every reader still accepts the file"
+    assert (cache / decision_cache.FILE_NAME).read_bytes() == before, "nothing written"
+    assert commands.main(["cache", "show", "--dir", str(cache)]) == 0, "every reader still accepts the file"
 
 
 def test_parallel_imports_and_a_serving_processs_write_lose_no_entry(tmp_path):
@@ -277,13 +277,13 @@ def test_parallel_imports_and_a_serving_processs_write_lose_no_entry(tmp_path):
     cache = tmp_path / "cache"
     serving = textwrap.dedent(f"""
         from pathlib import Path
-        from smemguard import decisions
-        decisions.Store(Path({str(cache)!r})).put("compile", "served", {entry!r})
+        from smemguard.store import decision_cache
+        decision_cache.Store(Path({str(cache)!r})).put("compile", "served", {entry!r})
     """)
     processes = [subprocess.Popen([sys.executable, "-m", "smemguard.cli", "cache", "import", str(source), "--dir",
                                    str(cache)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for source in sources] + [subprocess.Popen([sys.executable, "-c", serving], stderr=subprocess.PIPE)]
     for process in processes:
         assert process.wait(timeout=120) == 0, process.stderr.read()
-    stored = json.loads((cache / decisions.FILE_NAME).read_text())["compile"]
+    stored = json.loads((cache / decision_cache.FILE_NAME).read_text())["compile"]
     assert len(stored) == 2001 and "served" in stored

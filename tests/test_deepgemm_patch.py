@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import engine, records, run_python
-from smemguard import runtime
+from smemguard.facts import process
 from smemguard.fallbacks import paged_mqa_logits_metadata
 from smemguard.patches import deepgemm_metadata as patch_module
-from smemguard.settings import Settings
+from smemguard.facts.settings import Settings
 
 # DeepGEMM's texts: the host assertion (DGException through pybind11), the JIT's build failure
 # (issue #322: ptxas' words go to stdout), and ptxas' words themselves.
@@ -108,13 +108,12 @@ def standin(tmp_path, monkeypatch):
                         (patch_module.TARGET_MODULE, module), ("standin_indexer", caller)):
         monkeypatch.setitem(sys.modules, name, value)
     monkeypatch.setattr(patch_module, "_arch_major", lambda device: 9)  # CPU tensors stand for an H100's
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(process, "_warned", set())
     module.original = module.get_paged_mqa_logits_metadata
     module.caller = caller
     module.deep_gemm_dir = deep_gemm_dir
     yield module
     patch_module.PATCH.unpatch()
-
 
 
 def lens(batch: int, next_n: int = 1) -> torch.Tensor:
@@ -328,7 +327,7 @@ def real_vllm(monkeypatch):
     pytest.importorskip("vllm")
     import vllm.utils.deep_gemm as module
 
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(process, "_warned", set())
     yield module
     patch_module.PATCH.unpatch()
 

@@ -5,8 +5,9 @@ import csv
 import functools
 from pathlib import Path
 
-from smemguard import gpus, preflight
-from smemguard.estimate import stages_change_bytes
+from smemguard.facts import gpus
+from smemguard import preflight
+from smemguard.kernels.estimate import stages_change_bytes
 
 from test_preflight import SWEEP, assert_estimates_agree, results  # noqa: F401 (results is a fixture)
 

@@ -8,7 +8,7 @@ import torch
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.errors import OutOfResources
 
-from smemguard import layers
+from smemguard.kernels import tuners
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -55,11 +55,11 @@ def operands(n=128):
 
 
 def test_the_contract_is_read_from_the_subclass_code():
-    assert layers.keeps_autotuner_contract(Autotuner)
-    assert layers.keeps_autotuner_contract(LoadsThenTunes)
-    assert not layers.keeps_autotuner_contract(LaunchesFirst), "its own method launches a kernel"
-    assert not layers.keeps_autotuner_contract(DoesNotReturnTheLaunch)
-    assert not layers.keeps_autotuner_contract(type("OwnBench", (Autotuner,), {"_bench": lambda self: None}))
+    assert tuners.keeps_autotuner_contract(Autotuner)
+    assert tuners.keeps_autotuner_contract(LoadsThenTunes)
+    assert not tuners.keeps_autotuner_contract(LaunchesFirst), "its own method launches a kernel"
+    assert not tuners.keeps_autotuner_contract(DoesNotReturnTheLaunch)
+    assert not tuners.keeps_autotuner_contract(type("OwnBench", (Autotuner,), {"_bench": lambda self: None}))
 
 
 def test_a_subclass_that_files_a_choice_made_elsewhere_is_recovered(install_guard, incident_log, triton_cache):

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import smemguard
-from smemguard import layers, registry, replay
+from smemguard.kernels import tuners, registry
+from smemguard.cli import replay
 from smemguard.patches import flaggems
 from smemguard.testing import fake_gpu
 
@@ -96,12 +97,11 @@ def _tuned_elsewhere(hopper, a, b, config):
     return key
 
 
-
 def test_flaggems_layers_are_described_and_the_matmuls_get_the_cublas_fallback(install_guard, flag_gems_modules):
     _, hopper = flag_gems_modules
     install_guard()
     kernel = hopper.mm_kernel_general_host_tma
-    assert layers.is_entry(kernel) and layers.tuner_for(kernel.fn).name == "flag_gems.LibTuner"
+    assert tuners.is_entry(kernel) and tuners.tuner_for(kernel.fn).name == "flag_gems.LibTuner"
     assert registry.fallback_for(kernel) is flaggems._host_tma_mm_fallback
     assert registry.fallback_for(sys.modules["flag_gems.ops.mm"].mm_kernel_general) is flaggems._mm_fallback
 
@@ -234,15 +234,15 @@ def test_importing_flaggems_after_install_patches_it_and_uninstall_removes_it(tm
         pytest.skip("FlagGems is not installed (CI stage 'flaggems' installs it)")
     out = run_python("""
         import sys, smemguard
-        from smemguard import layers, registry
+        from smemguard.kernels import registry, tuners
         from smemguard.patches import flaggems
         smemguard.install()
         assert not flaggems.PATCH.is_patched()
         import flag_gems  # the post-import hooks patch it here
         kernel = sys.modules["flag_gems.ops.mm"].mm_kernel_general
-        assert flaggems.PATCH.is_patched() and layers.is_entry(kernel) and registry.fallback_for(kernel)
+        assert flaggems.PATCH.is_patched() and tuners.is_entry(kernel) and registry.fallback_for(kernel)
         smemguard.uninstall()
-        assert not flaggems.PATCH.is_patched() and not layers.is_entry(kernel) and not registry.fallback_for(kernel)
+        assert not flaggems.PATCH.is_patched() and not tuners.is_entry(kernel) and not registry.fallback_for(kernel)
         print("ok")
     """, env={**FLAGGEMS_ENV, "FLAGGEMS_DB_URL": f"sqlite:///{tmp_path}/db"})
     assert out.stdout.strip().endswith("ok")

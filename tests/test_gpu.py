@@ -8,8 +8,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard.examples import (autotuned_matmul, matmul_args, matmul_kernel, matmul_persistent_kernel,
-                                tiled_grid)
+from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel, matmul_persistent_kernel, tiled_grid
 
 from conftest import records, run_python
 
@@ -17,7 +16,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 L20 = 101376
-
 
 
 def first_config_wins(kernel_call, quantiles):
@@ -130,7 +128,7 @@ def test_second_worker_process_compiles_no_failing_variant(tmp_path):
 
 
 def test_replay_on_the_gpu_reproduces_and_checks_the_recovered_output(install_guard, incident_log, capsys):
-    from smemguard import cli
+    from smemguard.cli import commands
 
     n = 1024
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -138,7 +136,7 @@ def test_replay_on_the_gpu_reproduces_and_checks_the_recovered_output(install_gu
     install_guard(max_shared=L20, max_shared_label="L20")
     matmul_kernel[(n // 128, n // 128)](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=4)
     smemguard.uninstall()
-    assert cli.main(["replay", str(incident_log)]) == 0
+    assert commands.main(["replay", str(incident_log)]) == 0
     out = capsys.readouterr().out
     print(out)  # kept in the GPU log: the README's replay example comes from here
     assert "reproduced: OutOfResources shared memory, required 131072 B, limit 101376 B" in out

@@ -73,7 +73,7 @@ def test_autotuner_benchmarks_through_the_harness(triton_cache):
 
 
 def test_unknown_gpu_name():
-    with pytest.raises(ValueError, match="GPU name from smemguard.gpus"):
+    with pytest.raises(ValueError, match="GPU name from smemguard.facts.gpus"):
         with fake_gpu("L5"):
             pass
 

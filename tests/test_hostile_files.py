@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import smemguard
-from smemguard import cli, decisions, registry, settings as smemguard_settings
+from smemguard.cli import commands
+from smemguard.store import decision_cache
+from smemguard.kernels import registry
+from smemguard.facts import settings as smemguard_settings
 from smemguard.testing import fake_gpu
 
 from conftest import run_python
@@ -31,19 +34,21 @@ def test_a_fifo_is_refused_at_once_never_waited_on(tmp_path):
         import contextlib, io, json, os, signal
         from pathlib import Path
         signal.alarm(120)  # a blocking open would wait for a writer forever: the alarm ends it, failing the test
-        from smemguard import cli, decisions, incidents, settings
+        from smemguard.cli import commands
+        from smemguard.facts import settings
+        from smemguard.store import decision_cache, incidents
         fifo = Path({str(fifo)!r})
         found = {{}}
         for argv in (["report", str(fifo)], ["replay", str(fifo)],
                      ["cache", "import", str(fifo), "--dir", str(fifo.parent / "cache")]):
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                found[argv[0]] = (cli.main(argv), err.getvalue())
+                found[argv[0]] = (commands.main(argv), err.getvalue())
         found["record written to"] = incidents.write({{"kernel": "m:k"}}, fifo)
         found["setting"] = settings.load({{"SMEMGUARD_LOG": str(fifo)}}).problems
         (fifo.parent / "served").mkdir(mode=0o700)
         os.mkfifo(fifo.parent / "served" / "decisions.json")
-        found["stored"] = decisions.Store(fifo.parent / "served").get("compile", "case")
+        found["stored"] = decision_cache.Store(fifo.parent / "served").get("compile", "case")
         print(json.dumps(found))
     """)
     found = json.loads(result.stdout)
@@ -60,15 +65,15 @@ def test_a_fifo_is_refused_at_once_never_waited_on(tmp_path):
 def test_a_device_is_refused_not_read_forever(argv, tmp_path, capsys):
     if argv[0] == "cache":
         argv = [*argv, "--dir", str(tmp_path / "cache")]
-    assert cli.main(argv) == 2
+    assert commands.main(argv) == 2
     assert "a character device, not a regular file" in one_line(capsys.readouterr().err)
 
 
 def test_a_decision_file_too_large_is_refused_with_one_line(tmp_path, capsys):
     huge = tmp_path / "fleet.json"
     with open(huge, "wb") as out:
-        out.truncate(decisions.MAX_FILE + 1)
-    assert cli.main(["cache", "import", str(huge), "--dir", str(tmp_path / "cache")]) == 2
+        out.truncate(decision_cache.MAX_FILE + 1)
+    assert commands.main(["cache", "import", str(huge), "--dir", str(tmp_path / "cache")]) == 2
     assert "larger than 8 MiB" in one_line(capsys.readouterr().err)
 
 
@@ -97,25 +102,25 @@ ENTRY = DECISIONS["compile"]["a" * 24]
 def test_cache_import_refuses_options_recovery_could_not_have_produced(tmp_path, capsys, options):
     fleet = tmp_path / "fleet.json"
     fleet.write_text(json.dumps({"schema": 1, "compile": {"x" * 24: {**ENTRY, "options": options}}, "launch": {}}))
-    assert cli.main(["cache", "import", str(fleet), "--dir", str(tmp_path / "cache")]) == 2
+    assert commands.main(["cache", "import", str(fleet), "--dir", str(tmp_path / "cache")]) == 2
     assert "'options' is" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists(), "no usable entry: nothing created"
 
 
 def test_a_cache_other_users_can_write_is_refused(tmp_path, capsys, caplog):
     cache = tmp_path / "cache"
-    decisions.Store(cache).put("compile", "case", ENTRY)
+    decision_cache.Store(cache).put("compile", "case", ENTRY)
     os.chmod(cache, 0o777)
-    assert cli.main(["cache", "show", "--dir", str(cache)]) == 2
+    assert commands.main(["cache", "show", "--dir", str(cache)]) == 2
     assert "can be written by others" in one_line(capsys.readouterr().err)
-    assert decisions.Store(cache).get("compile", "case") is None, "a serving process refuses it too"
+    assert decision_cache.Store(cache).get("compile", "case") is None, "a serving process refuses it too"
     assert "refusing the decision cache" in caplog.text and "chmod go-w" in caplog.text
     os.chmod(cache, 0o700)
-    os.chmod(cache / decisions.FILE_NAME, 0o620)
-    assert cli.main(["cache", "import", str(cache / decisions.FILE_NAME), "--dir", str(cache)]) == 2
+    os.chmod(cache / decision_cache.FILE_NAME, 0o620)
+    assert commands.main(["cache", "import", str(cache / decision_cache.FILE_NAME), "--dir", str(cache)]) == 2
     assert "decisions.json can be written by its group" in one_line(capsys.readouterr().err)
-    os.chmod(cache / decisions.FILE_NAME, 0o600)
-    assert decisions.Store(cache).get("compile", "case") == ENTRY
+    os.chmod(cache / decision_cache.FILE_NAME, 0o600)
+    assert decision_cache.Store(cache).get("compile", "case") == ENTRY
 
 
 def test_a_stored_stage_count_above_the_variants_own_is_ignored(tmp_path, install_guard, triton_cache, caplog):
@@ -132,10 +137,10 @@ def test_a_stored_stage_count_above_the_variants_own_is_ignored(tmp_path, instal
     install_guard(cache_dir=cache)
     assert launch().num_stages == 3
     smemguard.uninstall()
-    stored = json.loads((cache / decisions.FILE_NAME).read_text())
+    stored = json.loads((cache / decision_cache.FILE_NAME).read_text())
     [key] = stored["compile"]
     stored["compile"][key]["options"] = {"num_stages": 8}  # within the schema, above the variant's 4
-    (cache / decisions.FILE_NAME).write_text(json.dumps(stored))
+    (cache / decision_cache.FILE_NAME).write_text(json.dumps(stored))
     install_guard(cache_dir=cache)
     assert launch().num_stages == 3, "recovered as if nothing were stored"
     [warning] = [r.getMessage() for r in caplog.records if "ignoring stored decision" in r.getMessage()]
@@ -145,7 +150,7 @@ def test_a_stored_stage_count_above_the_variants_own_is_ignored(tmp_path, instal
 def test_report_json_stays_json_when_sums_would_overflow(tmp_path, capsys):
     path = tmp_path / "i.jsonl"
     path.write_text("\n".join(json.dumps({**RECORD, "recovery_ms": 1.7e308}) for _ in range(2)) + "\n")
-    assert cli.main(["report", "--json", str(path)]) == 2
+    assert commands.main(["report", "--json", str(path)]) == 2
     out, err = capsys.readouterr()
     document = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert document["rows"][0]["count"] == 2
@@ -161,7 +166,7 @@ def test_report_json_stays_json_when_sums_would_overflow(tmp_path, capsys):
 def test_replay_refuses_values_out_of_bounds_before_compiling(tmp_path, capsys, field, value, named):
     path = tmp_path / "i.jsonl"
     path.write_text(json.dumps({**RECORD, field: value}) + "\n")
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     assert named in capsys.readouterr().err
 
 
@@ -171,7 +176,7 @@ def test_replay_names_a_dtype_triton_has_no_type_for(tmp_path, capsys, dtype):
     record["args"]["a_ptr"]["dtype"] = dtype
     path = tmp_path / "i.jsonl"
     path.write_text(json.dumps(record) + "\n")
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     assert f"'args.a_ptr.dtype' is \"{dtype}\", expected a torch dtype" in capsys.readouterr().err
 
 
@@ -180,22 +185,22 @@ def test_replay_of_a_tensor_spanning_more_than_16_gib_is_refused(tmp_path, capsy
     record["args"]["a_ptr"].update(shape=[2**20, 2**20], stride=[2**20, 1])
     path = tmp_path / "i.jsonl"
     path.write_text(json.dumps(record) + "\n")
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     assert "'args.a_ptr' spans more than 16 GiB" in capsys.readouterr().err
 
 
 def test_check_refuses_what_it_cannot_check_with_exit_2(tmp_path, capsys):
     quits = tmp_path / "quits.py"
     quits.write_text("import sys\nsys.exit(3)\n")
-    assert cli.main(["check", str(quits), "--gpu", "L4"]) == 2
+    assert commands.main(["check", str(quits), "--gpu", "L4"]) == 2
     assert "could not be imported: SystemExit: 3" in capsys.readouterr().err
-    assert cli.main(["check", str(tmp_path), "--gpu", "L4"]) == 2
+    assert commands.main(["check", str(tmp_path), "--gpu", "L4"]) == 2
     assert "a directory, not a kernel file" in capsys.readouterr().err
     os.mkfifo(tmp_path / "kernels.py")
-    assert cli.main(["check", str(tmp_path / "kernels.py"), "--gpu", "L4"]) == 2
+    assert commands.main(["check", str(tmp_path / "kernels.py"), "--gpu", "L4"]) == 2
     assert "not a regular file" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
-        cli.main(["check", "--examples", "--gpu", "L4", "--jobs", "-3"])
+        commands.main(["check", "--examples", "--gpu", "L4", "--jobs", "-3"])
     assert usage.value.code == 2 and "expected a positive number of processes" in capsys.readouterr().err
 
 
@@ -205,7 +210,7 @@ def test_check_of_a_kernel_that_fails_for_another_reason_is_not_an_overflow(tmp_
     (tmp_path / "a-file").write_text("not a directory")
     smemguard_settings.current.cache_clear()
     try:
-        status = cli.main(["check", "smemguard.examples:attention_fwd", "--meta",
+        status = commands.main(["check", "smemguard.examples:attention_fwd", "--meta",
                            "BLOCK_M=64,BLOCK_N=48,num_warps=4,num_stages=2", "--gpu", "L4", "--quiet"])
     finally:
         smemguard_settings.current.cache_clear()
@@ -228,7 +233,7 @@ def test_registering_something_that_is_not_a_kernel_says_so():
 def test_replay_compiles_an_amd_record_without_a_gpu(tmp_path, capsys):
     path = tmp_path / "i.jsonl"
     path.write_text(json.dumps({**RECORD, "device": {"backend": "hip", "arch": "gfx942", "name": None}}) + "\n")
-    status = cli.main(["replay", str(path)])
+    status = commands.main(["replay", str(path)])
     out = capsys.readouterr().out
     assert "no GPU: compiling for gfx942 on a stand-in device with a 40000 B limit" in out
     assert "reproduced: OutOfResources shared memory" in out and status in (0, 1), out
@@ -261,24 +266,24 @@ def test_a_held_decisions_lock_is_waited_on_for_a_bounded_time(tmp_path, monkeyp
     import fcntl
     import time
 
-    from smemguard import files
+    from smemguard.facts import files
 
     monkeypatch.setattr(files, "LOCK_WAIT_S", 0.3)
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     source = tmp_path / "decisions.json"
-    source.write_text(json.dumps(decisions.empty()))
-    with open(cache / decisions.LOCK_NAME, "w") as held:
+    source.write_text(json.dumps(decision_cache.empty()))
+    with open(cache / decision_cache.LOCK_NAME, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         started = time.monotonic()
         entry = DECISIONS["compile"]
-        data = {**decisions.empty(), "compile": entry}
+        data = {**decision_cache.empty(), "compile": entry}
         source.write_text(json.dumps(data))
-        assert cli.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
+        assert commands.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
         [line] = capsys.readouterr().err.strip().splitlines()
         assert "decisions.lock has been held by another process for over 0.3 s" in line
-        assert not (cache / decisions.FILE_NAME).exists(), "nothing written"
-        store = decisions.Store(cache)
+        assert not (cache / decision_cache.FILE_NAME).exists(), "nothing written"
+        store = decision_cache.Store(cache)
         key, value = next(iter(entry.items()))
         with caplog.at_level("WARNING", logger="smemguard"):
             assert store.put("compile", key, value) is value
@@ -299,7 +304,7 @@ def test_decision_files_are_strict_json_of_schema_1(tmp_path, capsys, text, why)
     are refused with one line; nothing is imported."""
     source = tmp_path / "decisions.json"
     source.write_text(text)
-    assert cli.main(["cache", "import", str(source), "--dir", str(tmp_path / "cache")]) == 2
+    assert commands.main(["cache", "import", str(source), "--dir", str(tmp_path / "cache")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert why in line and "nothing imported" in line
-    assert not (tmp_path / "cache" / decisions.FILE_NAME).exists()
+    assert not (tmp_path / "cache" / decision_cache.FILE_NAME).exists()

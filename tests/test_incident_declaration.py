@@ -1,4 +1,4 @@
-"""The incident record is declared once (smemguard.incidents.FIELDS): its writers, its readers (report, replay, the
+"""The incident record is declared once (store.incidents.FIELDS): its writers, its readers (report, replay, the
 metrics) and docs/INCIDENTS.md all name the same fields, so a field added to one of them alone fails here."""
 
 import ast
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 import smemguard
-from smemguard import incidents, metrics, replay, report
-from smemguard.incidents import FIELDS, LABEL, NEEDED, READ, SHOWN
+from smemguard.store import incidents, metrics
+from smemguard.cli import replay, report
+from smemguard.store.incidents import FIELDS, LABEL, NEEDED, READ, SHOWN
 
 PACKAGE = Path(smemguard.__file__).parent
 DOCS = PACKAGE.parent / "docs" / "INCIDENTS.md"
@@ -17,12 +18,12 @@ DECLARED = {field.name for field in FIELDS}
 READERS = {"report": report, "replay": replay, "metrics": metrics}
 #: Where each source builds its own fields (``extras``).
 SOURCES = {
-    incidents.LAUNCH: "incidents.py",
-    incidents.COMPILE: "compile_fit.py",
-    incidents.INDUCTOR: "inductor.py",
+    incidents.LAUNCH: "store/incidents.py",
+    incidents.COMPILE: "engine/compile_fit.py",
+    incidents.INDUCTOR: "engine/inductor.py",
     incidents.FLEX: "patches/inductor_flex_configs.py",
     incidents.PATCHED_WRAPPER: "patches/_tile_choice.py",
-    incidents.DECLARED_WRAPPER: "wrapper_outcomes.py",
+    incidents.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
     incidents.DEEPGEMM: "patches/deepgemm_metadata.py",
 }
 COMMON = (incidents.EVERY, incidents.WHILE_UNVERIFIED, incidents.TRITON)
@@ -134,10 +135,10 @@ def test_a_source_writes_the_fields_declared_as_its_own(source):
 @pytest.mark.parametrize("device", [None, 0], ids=["deepgemm", "triton"])
 @pytest.mark.parametrize("unverified", [[], ["kernel_interface (triton 9.9.0)"]], ids=["verified", "unverified"])
 def test_every_record_carries_the_common_fields_declared(monkeypatch, device, unverified):
-    monkeypatch.setattr(incidents.runtime, "unverified_patches", lambda: unverified)
-    monkeypatch.setattr(incidents.runtime, "triton_version", lambda: "9.9.0")
-    monkeypatch.setattr(incidents.runtime, "device_description", lambda index: {"index": index})
-    monkeypatch.setattr(incidents.runtime, "device_limit", lambda index: 101376)
+    monkeypatch.setattr(incidents.process, "unverified_patches", lambda: unverified)
+    monkeypatch.setattr(incidents.process, "triton_version", lambda: "9.9.0")
+    monkeypatch.setattr(incidents.process, "device_description", lambda index: {"index": index})
+    monkeypatch.setattr(incidents.process, "device_limit", lambda index: 101376)
     record = incidents.Incident(kernel="m:k", launched_as="JITFunction", phase="launch", action="reraised",
                                 final=None, resource="shared memory", required=1, limit_hit=1, started=0.0,
                                 device=device).record()

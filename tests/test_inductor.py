@@ -8,7 +8,7 @@ pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from smemguard import inductor  # noqa: E402
+from smemguard.engine import inductor  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
 
 from conftest import records  # noqa: E402
@@ -150,12 +150,12 @@ def test_an_emulated_limit_reaches_inductors_load(install_guard, monkeypatch, tr
 
 def _recover_then_forget_the_process(install_guard, monkeypatch, triton_cache, cache_dir):
     """Recover a template in this process, then leave only what the next process would have: the decision file."""
-    from smemguard import decisions
+    from smemguard.store import decision_cache
 
     install_guard(cache_dir=cache_dir)
     with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
         template_matmul("L4", num_stages=5).precompile()
-    decisions._stores.clear()
+    decision_cache._stores.clear()
 
 
 def test_the_next_process_loads_the_stored_variant_without_a_failing_load(install_guard, incident_log, monkeypatch,
@@ -193,14 +193,14 @@ def test_a_stored_variant_recovery_could_not_produce_is_ignored(install_guard, i
 
 
 def test_a_torch_compile_entry_is_checked_when_read():
-    from smemguard import decisions
+    from smemguard.store import decision_cache
 
     good = {"action": "stages_reduced", "resource": "shared memory", "required": 131072,
             "config": {"kwargs": {}, "num_warps": 4, "num_stages": 4, "num_ctas": 1, "maxnreg": None}}
-    assert decisions.entry_problems("inductor", good) == []
+    assert decision_cache.entry_problems("inductor", good) == []
     for field, bad in (("required", "lots"), ("required", -1), ("action", "config_changed"), ("config", [])):
-        assert decisions.entry_problems("inductor", {**good, field: bad}), (field, bad)
-    assert decisions.entry_problems("inductor", {**good, "config": {**good["config"], "num_stages": 99}})
+        assert decision_cache.entry_problems("inductor", {**good, field: bad}), (field, bad)
+    assert decision_cache.entry_problems("inductor", {**good, "config": {**good["config"], "num_stages": 99}})
 
 
 def test_an_emulated_limit_gets_torch_compile_caches_of_its_own(tmp_path):
@@ -347,7 +347,7 @@ def test_the_one_stage_bound_is_the_measured_backward_and_under_the_measured_for
 
 def test_a_kernel_without_a_loop_to_pipeline_compiles_no_stage_candidate(install_guard, incident_log, monkeypatch,
                                                                         triton_cache):
-    """The transpose has no loop: fewer stages cannot change a byte (smemguard.knobs reads it), so the first
+    """The transpose has no loop: fewer stages cannot change a byte (kernels.parameters reads it), so the first
     candidate is already a smaller block, even at a stage count above one."""
     kernel = pointwise_transpose("L4", 256, 256)
     kernel.configs[0].num_stages = 3
@@ -392,8 +392,8 @@ def test_a_flex_template_that_fits_nowhere_says_how_to_run_it_here():
     quadratic); another template keeps the generic reason."""
     from types import SimpleNamespace
 
-    from smemguard import inductor
-    from smemguard.settings import Settings
+    from smemguard.engine import inductor
+    from smemguard.facts.settings import Settings
 
     template = SimpleNamespace(heuristic_type=SimpleNamespace(name="TEMPLATE"))
     flex = inductor._why_not(template, "triton_tem_fused_flex_attention_backward_1", Settings())

@@ -8,7 +8,7 @@ import wrapt
 import smemguard
 from smemguard import patches
 from smemguard.patches import autotuner_bench, kernel_interface, max_shared_mem
-from smemguard.settings import Settings, SettingsError
+from smemguard.facts.settings import Settings, SettingsError
 
 from conftest import ROOT, records, run_python
 
@@ -57,7 +57,7 @@ def test_patch_unpatch_repatch_permutations_in_a_fresh_process(steps):
         from triton.runtime.autotuner import Autotuner
         from triton.runtime.jit import KernelInterface
         import smemguard
-        from smemguard.settings import Settings
+        from smemguard.facts.settings import Settings
 
         original = (KernelInterface.__dict__["__getitem__"], compiler.max_shared_mem, Autotuner.__dict__["_bench"])
         for step in {steps.split()!r}:
@@ -217,7 +217,7 @@ def test_uninstall_takes_the_replacement_kernels_out_of_tritons_jit_cache(triton
 def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog):
     import triton  # noqa: F401  (installed now, not at a later import)
 
-    from smemguard import settings as settings_module
+    from smemguard.facts import settings as settings_module
 
     settings = settings_module.load({"SMEMGUARD_DISABLE": " autotuner_bench,max_shared_mem ,",
                                      "SMEMGUARD_MAX_SHARED": "L4"})
@@ -237,11 +237,13 @@ def test_smemguard_disable_leaves_the_named_patches_off_and_says_so_once(caplog)
 def test_the_readmes_versions_table_is_generated_from_the_patches_data():
     """The README's table of supported versions is `smemguard versions --markdown`, from the data the installer
     checks (regenerate it with that command when a patch's versions change)."""
-    from smemguard import versions
+    from smemguard import patches
+    from smemguard.facts import versions
 
     readme = (ROOT / "README.md").read_text()
     begin, end = "<!-- versions table: begin -->\n", "\n<!-- versions table: end -->"
-    assert readme[readme.index(begin) + len(begin):readme.index(end)] == versions.markdown(versions.patch_versions())
+    table = versions.markdown(versions.patch_versions(patches.all_patches()))
+    assert readme[readme.index(begin) + len(begin):readme.index(end)] == table
 
 
 def test_smemguard_versions_says_what_applies_here_without_importing_the_targets():

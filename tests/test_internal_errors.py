@@ -1,5 +1,5 @@
 """An error inside smemguard never replaces the user's: every step of recovery runs under one guard
-(smemguard.internal.Steps). Each test breaks one step (smemguard's own code, never Triton's) and checks
+(smemguard.engine.steps.Steps). Each test breaks one step (smemguard's own code, never Triton's) and checks
 what the caller sees: their own OutOfResources where recovery cannot go on without the step, the
 recovered launch where the step only saved work; and that the record counts the internal error."""
 
@@ -7,7 +7,11 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from smemguard import decisions, guard, incidents, ladder, launch, recall, recovery, runtime
+from smemguard.store import decision_cache, incidents
+from smemguard import guard
+from smemguard.engine import ladder, recall, recovery
+from smemguard.kernels import launch
+from smemguard.facts import process
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -50,8 +54,8 @@ PLAIN_KERNEL_STEPS = [
     ("check the kernel in the JIT cache", recovery, "check", failing_once, "recovered"),
     ("find the case", recovery.Decided, "case_for", failing_once, "recovered"),
     ("describe the arguments", incidents, "described_args", failing_once, "recovered"),
-    ("open the decision store", decisions, "store", always_failing, "recovered"),
-    ("key the stored decisions", decisions, "cases_for", always_failing, "recovered"),
+    ("open the decision store", decision_cache, "store", always_failing, "recovered"),
+    ("key the stored decisions", decision_cache, "cases_for", always_failing, "recovered"),
     ("decide", ladder, "decide", failing_once, "raised"),
     ("store the decision", recall, "remember", always_failing, "recovered"),
     ("replace in the JIT cache", recovery, "replace_in_jit_cache", failing_once, "raised"),
@@ -93,7 +97,7 @@ def test_a_failing_recall_still_recovers_by_deciding_again(install_guard, incide
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
         launch_it()
     guard.installed_engine().decided.clear()  # a new process: nothing decided here yet
-    runtime.drop_replacements()
+    process.drop_replacements()
     monkeypatch.setattr(recall, "recall", always_failing(recall.recall))
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
         launch_it()
@@ -146,7 +150,7 @@ def test_an_unexpected_error_anywhere_in_handling_still_raises_the_users_error(i
 
 
 def test_a_step_block_counts_our_error_once_and_lets_interrupts_through():
-    from smemguard.internal import StepFailed, Steps
+    from smemguard.engine.steps import StepFailed, Steps
 
     steps = Steps("a kernel")
     with steps.skippable("save work"):

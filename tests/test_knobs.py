@@ -1,4 +1,4 @@
-"""Kernels that write their own pipeline depth (smemguard.knobs): a ``NUM_STAGES`` parameter given to
+"""Kernels that write their own pipeline depth (smemguard.kernels.parameters): a ``NUM_STAGES`` parameter given to
 ``tl.range(..., num_stages=)``, passed through a helper, also used in arithmetic, or a literal depth;
 and tuners whose pruner pins a single config. Real compiles on the CPU harness (sm_90: every stage of
 a 64x64x64 fp16 tile is 16384 B), plus one bitwise check on a real GPU."""
@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from smemguard import introspect, knobs
-from smemguard.knobs import OTHER, PIPELINE_DEPTH, UNUSED, WARP_COUNT, knobs_of
+from smemguard.kernels import introspect, parameters
+from smemguard.kernels.parameters import OTHER, PIPELINE_DEPTH, UNUSED, WARP_COUNT, knobs_of
 from smemguard.testing import fake_gpu
 
 from conftest import records, run_python
@@ -101,9 +101,9 @@ def test_only_parameters_that_follow_an_option_are_lowered_with_it():
     assert depth.lowered_with({"num_stages": 2}, {"NUM_STAGES": 4, "BLOCK_K": 64}) == {"NUM_STAGES": 2}
     assert depth.lowered_with({"num_stages": 5}, {"NUM_STAGES": 4}) == {}, "never raised"
     assert knobs_of(depth_also_in_arithmetic).lowered_with({"num_stages": 2}, {"NUM_STAGES": 4}) == {}
-    with pytest.raises(knobs.OptionIsAParameter):  # the keyword would set the parameter too
+    with pytest.raises(parameters.OptionIsAParameter):  # the keyword would set the parameter too
         knobs_of(_warps_passed_on).lowered_with({"num_stages": 2, "DEPTH": 1}, {"DEPTH": 4})
-    assert knobs.Knobs().lowered_with({"num_stages": 2}, {"NUM_STAGES": 4}) == {}, "unreadable: nothing changed"
+    assert parameters.Knobs().lowered_with({"num_stages": 2}, {"NUM_STAGES": 4}) == {}, "unreadable: nothing changed"
 
 
 # -- Recovery on the CPU harness ------------------------------------------------------------------
@@ -208,8 +208,8 @@ def test_a_literal_stage_loop_costs_no_compile_and_the_record_says_why(install_g
 WORKER = """
 import json, pathlib, torch
 import smemguard
-from smemguard import recovery
-from smemguard.settings import Settings
+from smemguard.engine import recovery
+from smemguard.facts.settings import Settings
 from smemguard.testing import fake_gpu
 from kernels import depth_passed_to_a_helper, matmul_args
 
@@ -246,7 +246,8 @@ def test_a_second_process_compiles_the_lowered_depth_directly(tmp_path, triton_c
 def test_the_check_shares_one_compile_among_stage_variants_of_a_kernel_whose_loops_set_their_depth(tmp_path):
     """The launch option changes no byte of literal_stages_matmul on any arch: of its stage variants, the
     fewest and the most stages are compiled (they agree), and the one between takes their bytes."""
-    from smemguard import gpus, preflight
+    from smemguard.facts import gpus
+    from smemguard import preflight
 
     configs = [dict(TILE, num_warps=4, num_stages=stages) for stages in (1, 2, 3)]
     [kernel] = preflight.discover(["kernels:literal_stages_matmul"], overrides={"configs": configs})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import smemguard
-from smemguard import registry
+from smemguard.kernels import registry
 from smemguard.patches import vllm_batch_invariant
 from smemguard.testing import fake_gpu
 
@@ -124,11 +124,11 @@ def test_flaggems_of_another_release_or_shape_is_left_unguarded_with_one_line(tm
         sys.path.insert(0, {str(tmp_path)!r})
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
         import triton, smemguard
-        from smemguard import layers
+        from smemguard.kernels import tuners
         from smemguard.patches import flaggems
         smemguard.install()
         import flag_gems
-        print(flaggems.PATCH.is_patched(), [kind.name for kind in layers.registered()])
+        print(flaggems.PATCH.is_patched(), [kind.name for kind in tuners.registered()])
     """)
     assert result.stdout.split("\n")[0] == "False ['triton.Autotuner']"
     (line,) = [line for line in result.stderr.splitlines() if "FlagGems" in line]

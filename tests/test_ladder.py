@@ -182,8 +182,8 @@ def test_configs_at_least_as_big_as_one_measured_too_big_are_not_compiled(instal
 
 
 def test_the_candidate_vocabulary_on_plain_values():
-    """The steps the launch ladder, the compile-time core and Inductor's recovery share (smemguard.candidates)."""
-    from smemguard import candidates
+    """The steps the launch ladder, the compile-time core and Inductor's recovery share (engine.candidates)."""
+    from smemguard.engine import candidates
 
     assert list(candidates.fewer_warps(8)) == [4, 2, 1] and list(candidates.fewer_warps(1)) == []
     # 131072 B at 5 stages, 114688 B at 4 (16384 B a stage) over 101376 B: 4 - ceil(13312 / 16384) = 3

@@ -15,8 +15,11 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from smemguard import __version__, cli, metrics, runtime, settings
-from smemguard.settings import Settings
+from smemguard import __version__
+from smemguard.cli import commands
+from smemguard.store import metrics
+from smemguard.facts import process, settings
+from smemguard.facts.settings import Settings
 from smemguard.testing import fake_gpu
 
 from conftest import ROOT, TESTS, records, run_python
@@ -112,7 +115,7 @@ CHILD = """
         sys.modules["prometheus_client"] = None  # as if not installed: importing it raises ImportError
     import torch
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
     from smemguard.testing import fake_gpu
     from kernels import matmul_args, matmul_kernel
     smemguard.install(Settings(metrics_file=Path(sys.argv[3]) if len(sys.argv) > 3 else None))
@@ -170,8 +173,8 @@ def test_the_textfile_is_valid_exposition_format(install_guard, incident_log, tr
 WRITER = """
     import sys, time
     from pathlib import Path
-    from smemguard import metrics
-    from smemguard.settings import Settings
+    from smemguard.store import metrics
+    from smemguard.facts.settings import Settings
     import prometheus_client
     metrics.configure(Settings(metrics_file=Path(sys.argv[1])))
     record = {"kernel": "k:" + sys.argv[2], "resource": "shared memory", "action": "stages_reduced",
@@ -214,7 +217,7 @@ def test_the_textfile_is_replaced_atomically_and_concurrent_processes_lose_no_co
 def textfile_only(tmp_path):
     """The textfile configured without installing the guard."""
     metrics.configure(Settings(metrics_file=tmp_path / "smemguard.prom"))
-    runtime.forget_warnings()
+    process.forget_warnings()
     yield tmp_path / "smemguard.prom"
     metrics.configure(None)
 
@@ -237,7 +240,7 @@ def test_a_textfile_smemguard_did_not_write_is_moved_aside(textfile_only, caplog
 def test_an_unwritable_textfile_warns_once_and_counting_goes_on(tmp_path, caplog):
     (tmp_path / "file").write_text("")
     metrics.configure(Settings(metrics_file=tmp_path / "file" / "smemguard.prom"))
-    runtime.forget_warnings()
+    process.forget_warnings()
     try:
         before = value("smemguard_incidents_total", kernel="k:one", resource="shared memory", action="fallback",
                        gpu="unknown")
@@ -257,8 +260,8 @@ def test_names_taken_by_the_host_leave_its_registry_alone_and_the_textfile_worki
         import json, logging
         from pathlib import Path
         import prometheus_client
-        from smemguard import metrics
-        from smemguard.settings import Settings
+        from smemguard.store import metrics
+        from smemguard.facts.settings import Settings
         logging.basicConfig()
         theirs = prometheus_client.Counter("smemguard_incidents", "the host's own")
         metrics.configure(Settings(metrics_file=Path({str(tmp_path / "smemguard.prom")!r})))
@@ -309,14 +312,14 @@ def test_report_format_prometheus_prints_the_live_series(install_guard, incident
     with incident_log.open("a") as log:
         log.write("not json\n")
     # a malformed line is bad input (exit 2) but never stops the count: the series come from the rest
-    assert cli.main(["report", "--format", "prometheus", str(incident_log)]) == 2
+    assert commands.main(["report", "--format", "prometheus", str(incident_log)]) == 2
     out, err = capsys.readouterr()
     reported = {key: v for key, v in smemguard_samples(out).items() if v != 0}
     assert reported == pytest.approx(live)
     assert reported[("smemguard_incidents_total", tuple(sorted(incident_labels("config_changed").items())))] == 2
     assert reported[("smemguard_remembered_total", (("kernel", KERNEL),))] == 1
     assert "skipped" in err and ":4: not JSON" in err
-    assert cli.main(["report", "--format", "prometheus", "--kernel", "nothing", str(incident_log)]) == 2
+    assert commands.main(["report", "--format", "prometheus", "--kernel", "nothing", str(incident_log)]) == 2
     assert smemguard_samples(capsys.readouterr().out) == {}
 
 

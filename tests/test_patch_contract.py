@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from smemguard import patches
-from smemguard.versions import Supported, parse
+from smemguard.facts.versions import Supported, parse
 
 from conftest import run_python
 
@@ -182,9 +182,9 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
         import importlib, json, sys
         sys.path.insert(0, {str(stand_ins)!r})
         import triton
-        from smemguard.engine import Engine
+        from smemguard.engine.core import Engine
         from smemguard.patches import {name} as module
-        from smemguard.settings import Settings
+        from smemguard.facts.settings import Settings
 
         patch = module.PATCH
 
@@ -322,9 +322,9 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
         import importlib, json, sys
         sys.path.insert(0, {str(stand_ins)!r})
         import triton, wrapt
-        from smemguard.engine import Engine
+        from smemguard.engine.core import Engine
         from smemguard.patches import {name} as module
-        from smemguard.settings import Settings
+        from smemguard.facts.settings import Settings
 
         patch = module.PATCH
 

@@ -5,7 +5,6 @@ import importlib.metadata
 from conftest import run_python
 
 
-
 def test_entry_point_is_registered_in_the_vllm_group():
     [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "smemguard"]
     assert entry.value == "vllm_plugin:register"

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from smemguard import cli, decisions
+from smemguard.cli import commands
+from smemguard.store import decision_cache
 from smemguard.testing import fake_gpu
 
 from kernels import matmul_args, matmul_kernel
@@ -18,7 +19,7 @@ def real_record(tmp_path_factory, triton_cache):
     """One incident record of a launch written by smemguard itself on the CPU harness (sm_89, 40000 B): the
     launch guard's, with the compile-time core left off (which would fit the kernel before any launch)."""
     import smemguard
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
 
     log = tmp_path_factory.mktemp("record") / "incidents.jsonl"
     smemguard.install(Settings(log_path=log, disabled=("triton_compile",)))
@@ -54,7 +55,7 @@ def test_report_over_mixed_partly_corrupt_files(tmp_path, real_record, capsys):
     rank1 = write(tmp_path / "rank1.jsonl.gz", [variant(real_record, time="2026-11-30T04:00:00+0000",
                                                         action="fallback"),
                                                 variant(real_record, kernel="other:kernel", resource="threads")])
-    assert cli.main(["report", str(rank0), str(rank1)]) == 2, "some input was bad: the table counts the rest"
+    assert commands.main(["report", str(rank0), str(rank1)]) == 2, "some input was bad: the table counts the rest"
     out, err = capsys.readouterr()
     header, first, second = out.splitlines()
     assert header.split()[:5] == ["kernel", "resource", "GPU", "count", "shapes"]
@@ -70,20 +71,20 @@ def test_report_json_and_filters(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [variant(real_record, time="2026-11-29T10:00:00+0000"),
                                          variant(real_record, time="2026-11-30T10:00:00+0000"),
                                          variant(real_record, kernel="other:kernel")])
-    assert cli.main(["report", str(path), "--json", "--kernel", "matmul", "--since", "2026-11-30"]) == 0
+    assert commands.main(["report", str(path), "--json", "--kernel", "matmul", "--since", "2026-11-30"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["malformed"] == []
     [row] = out["rows"]
     assert set(row) == {"kernel", "resource", "gpu", "count", "distinct_shapes", "actions", "first_seen",
                         "last_seen", "recovery_ms"}
     assert (row["count"], row["distinct_shapes"], row["actions"]) == (1, 1, {"stages_reduced": 1})
-    assert cli.main(["report", str(path), "--since", "yesterday"]) == 2
+    assert commands.main(["report", str(path), "--since", "yesterday"]) == 2
     assert "expected a date" in capsys.readouterr().err
 
 
 def test_replay_on_cpu_reproduces_the_recorded_bytes(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [real_record])
-    assert cli.main(["replay", str(path)]) == 0
+    assert commands.main(["replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "no GPU: compiling for sm_89 on a stand-in device with a 40000 B limit" in out
     assert "reproduced: OutOfResources shared memory, required 49152 B, limit 40000 B (same as recorded)" in out
@@ -93,42 +94,42 @@ def test_replay_on_cpu_reproduces_the_recorded_bytes(tmp_path, real_record, caps
 
 def test_replay_against_another_gpu_limit(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [real_record])
-    assert cli.main(["replay", str(path), "--limit", "16000"]) == 1, "not recovered: exit 1, as --help says"
+    assert commands.main(["replay", str(path), "--limit", "16000"]) == 1, "not recovered: exit 1, as --help says"
     out = capsys.readouterr().out
     assert "limit 16000 B: too big" in out and "smemguard: reraised" in out and "not recovered" in out
 
 
 def test_replay_of_an_unimportable_kernel_names_the_module(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [variant(real_record, kernel="vllm_private.ops:fused_kernel")])
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     err = capsys.readouterr().err
     assert "cannot import module 'vllm_private.ops'" in err and "vllm_private.ops:fused_kernel" in err
 
 
 def test_replay_index_out_of_range(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [real_record])
-    assert cli.main(["replay", str(path), "--index", "5"]) == 2
+    assert commands.main(["replay", str(path), "--index", "5"]) == 2
     assert "out of range; it holds 1 records" in capsys.readouterr().err
 
 
 def test_cache_show_export_import_clear(tmp_path, capsys):
     here, there = tmp_path / "here", tmp_path / "there"
-    decisions.Store(here).put("compile", "case", {"kernel": "m:k", "gpu": "NVIDIA L4", "limit": 101376,
+    decision_cache.Store(here).put("compile", "case", {"kernel": "m:k", "gpu": "NVIDIA L4", "limit": 101376,
                                                   "from_config": "BLOCK_M=128 num_stages=5",
                                                   "action": "stages_reduced", "final": "num_stages=4",
                                                   "options": {"num_stages": 4}})
-    assert cli.main(["cache", "show", "--dir", str(here)]) == 0
+    assert commands.main(["cache", "show", "--dir", str(here)]) == 0
     assert "m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced num_stages=4" in \
         capsys.readouterr().out
     exported = tmp_path / "fleet.json"
-    assert cli.main(["cache", "export", str(exported), "--dir", str(here)]) == 0
-    assert cli.main(["cache", "import", str(exported), "--dir", str(there)]) == 0
+    assert commands.main(["cache", "export", str(exported), "--dir", str(here)]) == 0
+    assert commands.main(["cache", "import", str(exported), "--dir", str(there)]) == 0
     assert "imported 1 decisions" in capsys.readouterr().out
-    assert decisions.Store(there).get("compile", "case")["action"] == "stages_reduced"
-    assert cli.main(["cache", "clear", "--dir", str(there)]) == 0
-    assert decisions.Store(there).get("compile", "case") is None
+    assert decision_cache.Store(there).get("compile", "case")["action"] == "stages_reduced"
+    assert commands.main(["cache", "clear", "--dir", str(there)]) == 0
+    assert decision_cache.Store(there).get("compile", "case") is None
     (tmp_path / "junk.json").write_text("[]")
-    assert cli.main(["cache", "import", str(tmp_path / "junk.json"), "--dir", str(there)]) == 2
+    assert commands.main(["cache", "import", str(tmp_path / "junk.json"), "--dir", str(there)]) == 2
     assert "not a smemguard decision file (not a JSON object but [])" in capsys.readouterr().err
 
 
@@ -136,24 +137,24 @@ def test_cache_show_export_import_clear(tmp_path, capsys):
                                           ("args", {"a_ptr": {"shape": "wide"}})])
 def test_report_counts_a_record_with_a_wrong_field_without_that_field(tmp_path, real_record, capsys, field, value):
     path = write(tmp_path / "i.jsonl", [variant(real_record, **{field: value}), real_record])
-    assert cli.main(["report", str(path)]) == 2
+    assert commands.main(["report", str(path)]) == 2
     [line, summary] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"smemguard report: {path}:1: {field!r} is ") and line.endswith("; counted without it")
     assert summary.startswith("smemguard report: 1 line(s) not fully used")
-    assert cli.main(["report", str(path), "--json"]) == 2
+    assert commands.main(["report", str(path), "--json"]) == 2
     assert sum(row["count"] for row in json.loads(capsys.readouterr().out)["rows"]) == 2, "both records counted"
 
 
 def test_report_skips_a_record_whose_kernel_is_not_a_name(tmp_path, real_record, capsys):
     path = write(tmp_path / "i.jsonl", [variant(real_record, kernel=42), real_record])
-    assert cli.main(["report", str(path)]) == 2
+    assert commands.main(["report", str(path)]) == 2
     out, err = capsys.readouterr()
     assert " 1 " in out.splitlines()[1], "the other record is counted"
     assert f"{path}:1: not an incident record: 'kernel' is 42, expected non-empty text; line skipped" in err
 
 
 def test_report_of_a_missing_file_is_bad_input(tmp_path, capsys):
-    assert cli.main(["report", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert commands.main(["report", str(tmp_path / "nowhere.jsonl")]) == 2
     out, err = capsys.readouterr()
     assert out == "no incident records\n"
     assert err == f"smemguard report: {tmp_path / 'nowhere.jsonl'}: no such file\n"
@@ -163,7 +164,7 @@ def test_report_of_a_missing_file_is_bad_input(tmp_path, capsys):
 def test_replay_names_a_missing_field(tmp_path, real_record, capsys, field):
     record = {name: value for name, value in real_record.items() if name != field}
     path = write(tmp_path / "i.jsonl", [record])
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:1: cannot replay this record:\n  no {field!r} field (" in err
     assert "fix: replay another record" in err
@@ -179,7 +180,7 @@ def test_replay_names_a_missing_field(tmp_path, real_record, capsys, field):
 ])
 def test_replay_names_a_field_of_the_wrong_type(tmp_path, real_record, capsys, field, value, problem):
     path = write(tmp_path / "i.jsonl", [variant(real_record, **{field: value})])
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     assert problem in capsys.readouterr().err
 
 
@@ -187,14 +188,14 @@ def test_replay_names_parameters_the_kernel_does_not_have(tmp_path, real_record,
     args = {**real_record["args"], "stride_zz": 1}
     del args["M"]
     path = write(tmp_path / "i.jsonl", [variant(real_record, args=args)])
-    assert cli.main(["replay", str(path)]) == 2
+    assert commands.main(["replay", str(path)]) == 2
     err = capsys.readouterr().err
     assert "the record names \"stride_zz\", which the kernel has no parameter for" in err
     assert "the record has no value for the kernel's M" in err
 
 
 def test_replay_of_a_missing_file_is_bad_input(tmp_path, capsys):
-    assert cli.main(["replay", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert commands.main(["replay", str(tmp_path / "nowhere.jsonl")]) == 2
     assert capsys.readouterr().err == f"smemguard replay: {tmp_path / 'nowhere.jsonl'}: no such file\n"
 
 
@@ -206,13 +207,13 @@ def test_cache_import_skips_entries_that_are_not_decisions_and_show_still_reads(
     incoming = tmp_path / "fleet.json"
     incoming.write_text(json.dumps({"schema": 1, "compile": {"good": DECISION, "bad": "not a decision"},
                                     "launch": {"odd": {**DECISION, "action": "config_changed"}}}))
-    assert cli.main(["cache", "import", str(incoming), "--dir", str(tmp_path / "cache")]) == 2
+    assert commands.main(["cache", "import", str(incoming), "--dir", str(tmp_path / "cache")]) == 2
     out, err = capsys.readouterr()
     assert "imported 1 decisions" in out
     assert f'{incoming}: compile entry "bad": the entry is "not a decision", expected an object; not imported' in err
     assert f'{incoming}: launch entry "odd": \'action\' is "config_changed"' not in err, "a launch table may hold it"
     assert f'{incoming}: launch entry "odd": no \'config\' field' in err
-    assert cli.main(["cache", "show", "--dir", str(tmp_path / "cache")]) == 0
+    assert commands.main(["cache", "show", "--dir", str(tmp_path / "cache")]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines()[1] == "  m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced " \
                                   "num_stages=4" and err == ""
@@ -221,13 +222,13 @@ def test_cache_import_skips_entries_that_are_not_decisions_and_show_still_reads(
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root (CI runs as root)")
 def test_a_decision_file_of_another_users_in_ones_own_directory_is_to_be_moved_away(tmp_path, capsys):
     """The fix line once said "use a directory of your own" of the user's own directory."""
-    decisions.Store(tmp_path).put("compile", "case", DECISION)
+    decision_cache.Store(tmp_path).put("compile", "case", DECISION)
     os.chown(tmp_path / "decisions.json", 65534, -1)
-    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 2
+    assert commands.main(["cache", "show", "--dir", str(tmp_path)]) == 2
     assert "decisions.json belongs to another user (uid 65534); fix: move it away (smemguard starts a new one), or " \
         "chown it to uid 0; nothing was changed" in capsys.readouterr().err
     os.chown(tmp_path, 65534, -1)  # the directory another user's too: nothing of it is the user's to move
-    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 2
+    assert commands.main(["cache", "show", "--dir", str(tmp_path)]) == 2
     assert f"{tmp_path} belongs to another user (uid 65534); fix: use a directory of your own" in \
         capsys.readouterr().err
 
@@ -235,9 +236,9 @@ def test_a_decision_file_of_another_users_in_ones_own_directory_is_to_be_moved_a
 def test_cache_show_leaves_out_the_fields_an_entry_lacks(tmp_path, capsys):
     """An entry with only what a decision needs once printed "None on None (limit None B)"."""
     bare = {"action": "stages_reduced", "options": {"num_stages": 4}}
-    decisions.Store(tmp_path).put("compile", "bare", bare)
-    decisions.Store(tmp_path).put("compile", "named", {**bare, "kernel": "m:k", "final": "num_stages=4"})
-    assert cli.main(["cache", "show", "--dir", str(tmp_path)]) == 0
+    decision_cache.Store(tmp_path).put("compile", "bare", bare)
+    decision_cache.Store(tmp_path).put("compile", "named", {**bare, "kernel": "m:k", "final": "num_stages=4"})
+    assert commands.main(["cache", "show", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[1:] == ["  a kernel: -> stages_reduced",
                                                         "  m:k: -> stages_reduced num_stages=4"]
 
@@ -245,7 +246,7 @@ def test_cache_show_leaves_out_the_fields_an_entry_lacks(tmp_path, capsys):
 def test_a_bad_cache_dir_setting_is_refused_and_the_default_cache_kept(tmp_path, monkeypatch, capsys):
     """SMEMGUARD_CACHE_DIR=/etc/hostname once made 'cache clear' empty the default cache without a word."""
     default = tmp_path / "xdg" / "smemguard"
-    decisions.Store(default).put("compile", "case", DECISION)
+    decision_cache.Store(default).put("compile", "case", DECISION)
     kept = (default / "decisions.json").read_bytes()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     hostname = tmp_path / "hostname"
@@ -253,7 +254,7 @@ def test_a_bad_cache_dir_setting_is_refused_and_the_default_cache_kept(tmp_path,
     monkeypatch.setenv("SMEMGUARD_CACHE_DIR", str(hostname))
     exported = tmp_path / "out.json"
     for action in (["clear"], ["show"], ["export", str(exported)], ["import", str(default / "decisions.json")]):
-        assert cli.main(["cache", *action]) == 2, action
+        assert commands.main(["cache", *action]) == 2, action
         [refusal] = capsys.readouterr().err.splitlines()  # one line: no "Using the default" before a refusal
         assert refusal.startswith(f"smemguard cache {action[0]}: SMEMGUARD_CACHE_DIR='{hostname}' ignored: is a file")
         assert refusal.endswith("Nothing was touched: a cache command never uses the default cache in its place; "
@@ -266,11 +267,11 @@ def test_cache_commands_change_nothing_in_a_file_that_is_not_theirs(tmp_path, ca
     foreign = tmp_path / "decisions.json"
     foreign.write_text('{"my": "own data"}')
     for action in (["clear"], ["show"], ["import", str(foreign)]):
-        assert cli.main(["cache", *action, "--dir", str(tmp_path)]) == 2
+        assert commands.main(["cache", *action, "--dir", str(tmp_path)]) == 2
         assert "is not a smemguard decision file (schema null, expected 1); nothing" in capsys.readouterr().err
     assert foreign.read_text() == '{"my": "own data"}' and sorted(p.name for p in tmp_path.iterdir()) == \
         ["decisions.json"]
-    assert cli.main(["cache", "clear", "--dir", str(tmp_path / "new")]) == 0
+    assert commands.main(["cache", "clear", "--dir", str(tmp_path / "new")]) == 0
     assert "nothing to forget" in capsys.readouterr().out and not (tmp_path / "new").exists()
-    assert cli.main(["cache", "show", "--dir", str(foreign)]) == 2
+    assert commands.main(["cache", "show", "--dir", str(foreign)]) == 2
     assert "is a file, not a cache directory" in capsys.readouterr().err

@@ -13,9 +13,10 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import cli, gpus, preflight
-from smemguard.examples import (attention_fwd_kernel, matmul_args, matmul_kernel, matmul_persistent_kernel,
-                                tiled_grid)
+from smemguard.cli import commands
+from smemguard.facts import gpus
+from smemguard import preflight
+from smemguard.examples import attention_fwd_kernel, matmul_args, matmul_kernel, matmul_persistent_kernel, tiled_grid
 from smemguard.testing import fake_gpu
 
 from conftest import run_python
@@ -46,7 +47,7 @@ def results(tmp_path) -> preflight.ResultCache:
 def check_cli(argv, monkeypatch, cache):
     """``smemguard check ARGV`` through the CLI's own entry point; returns the exit status."""
     monkeypatch.setattr(preflight, "default_cache", lambda: cache)
-    return cli.main(["check", *argv])
+    return commands.main(["check", *argv])
 
 
 def launch_on_fake_l4(kernel, args, meta, triton_cache):
@@ -257,7 +258,7 @@ def test_usage_errors_exit_2(monkeypatch, capsys, results):
 
 def test_help_teaches_targets_exit_status_and_the_json_schema(capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["check", "--help"])
+        commands.build_parser().parse_args(["check", "--help"])
     text = capsys.readouterr().out
     for expected in ("pkg.kernels:matmul", "kernels.py", "Exit status: 0", "1 when some kernel has none",
                      "--examples --gpu L4,A100,H100", "smemguard.check/1", "SMEMGUARD_PREFLIGHT", "--one", "estimate"):
@@ -366,7 +367,7 @@ def test_the_pruner_loads_without_the_offline_checker():
         print(sorted(name for name in ("triton", "torch", "multiprocessing", "concurrent.futures")
                      if name in sys.modules))
     """).stdout.splitlines()
-    assert "'smemguard.pruning'" in loaded[0] and "preflight" not in loaded[0]
+    assert "'smemguard.kernels.pruning'" in loaded[0] and "preflight" not in loaded[0]
     assert loaded[1] == "[]", "importing the pruner imports neither Triton, torch nor the checker's process pool"
 
 

@@ -13,7 +13,10 @@ import triton
 from triton import knobs
 
 import smemguard
-from smemguard import cli, decisions, layers, preflight
+from smemguard.cli import commands
+from smemguard.store import decision_cache
+from smemguard.kernels import tuners
+from smemguard import preflight
 from smemguard.patches import jit_compile
 from smemguard.examples import attention_args, attention_fwd, attention_grid, matmul_args, matmul_kernel, tiled_grid
 from smemguard.preflight import ResultCache
@@ -28,12 +31,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def check_decisions(targets, gpu_names, path: Path, monkeypatch) -> int:
     """``smemguard check TARGETS --gpu GPUS --decisions PATH`` through the CLI's entry point."""
     monkeypatch.setattr(preflight, "default_cache", lambda: ResultCache(None))
-    return cli.main(["check", *targets, "--gpu", gpu_names, "--decisions", str(path), "--quiet", "--jobs", "1"])
+    return commands.main(["check", *targets, "--gpu", gpu_names, "--decisions", str(path), "--quiet", "--jobs", "1"])
 
 
 def imported(path: Path, directory: Path) -> Path:
     """``smemguard cache import PATH --dir DIRECTORY`` into a fresh cache directory."""
-    assert cli.main(["cache", "import", str(path), "--dir", str(directory)]) == 0
+    assert commands.main(["cache", "import", str(path), "--dir", str(directory)]) == 0
     return directory
 
 
@@ -78,7 +81,7 @@ def launch_tuned_elsewhere():
     a, b, c = tensors()
     args = matmul_args(a, b, c)
     fixed.tuned_elsewhere.cache.clear()
-    fixed.tuned_elsewhere.cache[layers.tuning_key(fixed.tuned_elsewhere, args, {})] = fixed.BIG
+    fixed.tuned_elsewhere.cache[tuners.tuning_key(fixed.tuned_elsewhere, args, {})] = fixed.BIG
     fixed.tuned_elsewhere[tiled_grid(256, 256)](*args)
 
 
@@ -159,7 +162,7 @@ def test_the_example_attention_round_trip(tmp_path, monkeypatch, install_guard, 
     def launch():
         args = attention_args(q, k, v, o, 0.1)
         attention_fwd.cache.clear()
-        attention_fwd.cache[layers.tuning_key(attention_fwd, args, {"HEAD_DIM": 128})] = overflowing
+        attention_fwd.cache[tuners.tuning_key(attention_fwd, args, {"HEAD_DIM": 128})] = overflowing
         attention_fwd[attention_grid(1024, 4)](*args, HEAD_DIM=128)
 
     (ran, compiled, incidents), (ran_recovered, _, recovered) = round_trip(
@@ -172,7 +175,7 @@ def test_deciding_shows_progress_unless_quiet(tmp_path, monkeypatch, capsys):
     """Each decision is a stand-in launch and recovery's ladder (seconds each): a line per config on stderr."""
     monkeypatch.setattr(preflight, "default_cache", lambda: ResultCache(None))
     path = tmp_path / "decisions.json"
-    assert cli.main(["check", "preflight_fixed_kernels:matmul_kernel", "--gpu", "L4", "--decisions", str(path),
+    assert commands.main(["check", "preflight_fixed_kernels:matmul_kernel", "--gpu", "L4", "--decisions", str(path),
                      "--jobs", "1"]) == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("smemguard check: deciding [")]
     assert lines and "L4 matmul_kernel" in lines[-1] and "stages_reduced (num_stages=" in lines[-1], lines
@@ -191,7 +194,8 @@ def test_a_bad_decisions_path_is_one_line_exit_2_and_nothing_written(tmp_path, m
     target = make(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     monkeypatch.setenv("SMEMGUARD_CACHE_DIR", str(tmp_path / "cache"))
-    assert cli.main(["check", "smemguard.examples:flaggems_matmul", "--gpu", "L4", "--decisions", str(target)]) == 2
+    assert commands.main(["check", "smemguard.examples:flaggems_matmul", "--gpu", "L4", "--decisions",
+                          str(target)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and problem in err[0] and "--decisions" in err[0], err
     assert sorted(tmp_path.rglob("*")) == before, "nothing written, not even the check's cache"
@@ -202,13 +206,13 @@ def test_rerunning_replaces_only_the_file(tmp_path, monkeypatch):
     path.write_text("an older file")
     for _ in range(2):
         assert check_decisions(["smemguard.examples:matmul_persistent_kernel"], "L4", path, monkeypatch) == 0
-        assert json.loads(path.read_text()) == decisions.empty(), "every config fits an L4: no entry"
+        assert json.loads(path.read_text()) == decision_cache.empty(), "every config fits an L4: no entry"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.json"], "no temporary file left beside it"
 
 
 def test_check_help_teaches_the_decisions_flag(capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["check", "--help"])
+        commands.build_parser().parse_args(["check", "--help"])
     text = capsys.readouterr().out
     assert "--decisions l4-t4.json" in text and "smemguard cache import l4-t4.json" in text
 
@@ -246,7 +250,7 @@ def test_a_submodule_exiting_at_import_neither_passes_the_gate_nor_hides_the_res
     (package / "a_exits.py").write_text("import sys\nsys.exit(0)\n")
     (package / "b_kernels.py").write_text(DOT_KERNELS)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(cli.__file__).parents[1])])}
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(commands.__file__).parents[1])])}
     done = subprocess.run([sys.executable, "-m", "smemguard.cli", "check", "gatepkg", "--gpu", "L4", "--quiet",
                            "--jobs", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1, done.stderr

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from smemguard import gpus, preflight
+from smemguard.facts import gpus
+from smemguard import preflight
 
 from test_preflight import check_cli, launch_on_fake_l4, results  # noqa: F401 (results is a fixture)
 

@@ -8,7 +8,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import recovery
+from smemguard.engine import recovery
 from smemguard.testing import fake_gpu
 
 from kernels import autotuned, config, matmul_args, matmul_kernel, tiled_grid, with_heuristic_block_n
@@ -26,7 +26,6 @@ def aligned_and_misaligned(n=N):
 
 def operands(n=N):
     return torch.empty(n, n, dtype=torch.float16), torch.empty(n, n, dtype=torch.float16)
-
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from smemguard import cli_run
+from smemguard.cli import run
 
 from conftest import TESTS, records
 
@@ -219,12 +219,12 @@ def test_off_runs_the_command_unchanged(tmp_path):
 
 
 def test_bootstrap_goes_first_on_pythonpath_once():
-    first = cli_run.environment({"PYTHONPATH": os.pathsep.join(["/a", "/b"])})
-    assert first["PYTHONPATH"] == os.pathsep.join([str(cli_run.BOOTSTRAP), "/a", "/b"])
-    again = cli_run.environment(first)  # smemguard run -- smemguard run -- ...
+    first = run.environment({"PYTHONPATH": os.pathsep.join(["/a", "/b"])})
+    assert first["PYTHONPATH"] == os.pathsep.join([str(run.BOOTSTRAP), "/a", "/b"])
+    again = run.environment(first)  # smemguard run -- smemguard run -- ...
     assert again["PYTHONPATH"] == first["PYTHONPATH"]
-    assert cli_run.environment({})["PYTHONPATH"] == str(cli_run.BOOTSTRAP)
-    assert sorted(path.name for path in cli_run.BOOTSTRAP.iterdir() if path.suffix == ".py") == ["sitecustomize.py"]
+    assert run.environment({})["PYTHONPATH"] == str(run.BOOTSTRAP)
+    assert sorted(path.name for path in run.BOOTSTRAP.iterdir() if path.suffix == ".py") == ["sitecustomize.py"]
 
 
 @pytest.mark.parametrize("argv, status, line", [
@@ -242,10 +242,10 @@ def test_a_command_that_cannot_start_is_one_line(argv, status, line):
 
 
 def test_help_teaches_with_examples(capsys):
-    from smemguard import cli
+    from smemguard.cli import commands
 
     with pytest.raises(SystemExit) as exit_status:
-        cli.main(["run", "--help"])
+        commands.main(["run", "--help"])
     text = capsys.readouterr().out
     assert exit_status.value.code == 0
     for taught in ("usage: smemguard run [-h] -- CMD [ARGS...]", "smemguard run -- python train.py",
@@ -253,21 +253,21 @@ def test_help_teaches_with_examples(capsys):
                    "127 CMD not found"):
         assert taught in text
     with pytest.raises(SystemExit):
-        cli.main(["--help"])
+        commands.main(["--help"])
     assert "run -- python train.py" in capsys.readouterr().out
 
 
 def test_empty_pythonpath_entries_still_mean_the_current_directory():
     """An empty ``PYTHONPATH`` entry is the current directory to Python: ``run`` keeps it (issue 33), and adds
     none where the user had no ``PYTHONPATH``."""
-    from smemguard import cli_run
+    from smemguard.cli import run
 
-    bootstrap = str(cli_run.BOOTSTRAP)
-    assert cli_run.environment({"PYTHONPATH": ":/lib"})["PYTHONPATH"] == os.pathsep.join([bootstrap, "", "/lib"])
-    assert cli_run.environment({"PYTHONPATH": f"{bootstrap}:/lib:"})["PYTHONPATH"] == os.pathsep.join(
+    bootstrap = str(run.BOOTSTRAP)
+    assert run.environment({"PYTHONPATH": ":/lib"})["PYTHONPATH"] == os.pathsep.join([bootstrap, "", "/lib"])
+    assert run.environment({"PYTHONPATH": f"{bootstrap}:/lib:"})["PYTHONPATH"] == os.pathsep.join(
         [bootstrap, "/lib", ""]), "run inside run: the bootstrap once, the user's entries as they were"
-    assert cli_run.environment({})["PYTHONPATH"] == bootstrap
-    assert cli_run.environment({"PYTHONPATH": ""})["PYTHONPATH"] == bootstrap
+    assert run.environment({})["PYTHONPATH"] == bootstrap
+    assert run.environment({"PYTHONPATH": ""})["PYTHONPATH"] == bootstrap
 
 
 def test_a_script_importing_from_the_working_directory_works_under_run(tmp_path):

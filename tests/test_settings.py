@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 import smemguard
-from smemguard import gpus, settings
-from smemguard.settings import Settings, SettingsError
+from smemguard.facts import gpus, settings
+from smemguard.facts.settings import Settings, SettingsError
 
 
 def test_defaults():
@@ -113,7 +113,8 @@ def test_every_gpu_name_and_alias_resolves_to_itself():
 def test_smemguard_disable_is_bounded():
     import time
 
-    from smemguard import guard, settings as settings_module
+    from smemguard import guard
+    from smemguard.facts import settings as settings_module
 
     started = time.perf_counter()
     huge = settings_module.load({"SMEMGUARD_DISABLE": "kernel_warmup," * 100_000})

@@ -13,7 +13,7 @@ from triton import knobs
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import recall
+from smemguard.engine import recall
 from smemguard.patches import jit_compile
 from smemguard.testing import fake_gpu
 

@@ -32,12 +32,21 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import smemguard
-from smemguard import cli, decisions, gpus, replay
-from smemguard.decision import (BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED,
-                                WARPS_REDUCED)
-from smemguard import settings as smemguard_settings
+from smemguard.cli import commands, replay
+from smemguard.store import decision_cache
+from smemguard.facts import gpus
+from smemguard.store.decision import (
+    BLOCKS_REDUCED,
+    CONFIG_CHANGED,
+    FALLBACK,
+    RERAISED,
+    STAGES_REDUCED,
+    TILES_REDUCED,
+    WARPS_REDUCED,
+)
+from smemguard.facts import settings as smemguard_settings
 from smemguard.testing import fake_gpu
-from smemguard.untrusted import printable
+from smemguard.facts.untrusted import printable
 
 from kernels import matmul_args, matmul_kernel
 
@@ -158,7 +167,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
     err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
     started = time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli.main(argv)
+        status = commands.main(argv)
     assert time.monotonic() - started < MAX_SECONDS, argv
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < MAX_RSS, argv
     texts = [stream.buffer.getvalue().decode("utf-8") for stream in (out, err)]
@@ -245,7 +254,7 @@ def test_replay_refuses_any_damaged_record_in_one_line_per_problem(fresh, data):
 def _entries(document) -> list[tuple[str, str]]:
     if not isinstance(document, dict):
         return []
-    return [(kind, key) for kind in decisions.KINDS if isinstance(document.get(kind), dict)
+    return [(kind, key) for kind in decision_cache.KINDS if isinstance(document.get(kind), dict)
             for key in document[kind]]
 
 
@@ -259,19 +268,20 @@ def test_cache_never_stores_an_entry_recovery_cannot_apply(fresh, data):
 
     imported_into = fresh()
     status, _, err = run(["cache", "import", str(incoming), "--dir", str(imported_into)])
-    assert decisions.read(imported_into / decisions.FILE_NAME)[1] == [], "stored an entry a later command cannot read"
+    stored = decision_cache.read(imported_into / decision_cache.FILE_NAME)[1]
+    assert stored == [], "stored an entry a later command cannot read"
     written = sorted(path.name for path in imported_into.iterdir())
-    assert written in ([], [decisions.FILE_NAME, decisions.LOCK_NAME]), written
+    assert written in ([], [decision_cache.FILE_NAME, decision_cache.LOCK_NAME]), written
     try:
-        usable = _entries(decisions.parse(raw)[0])
+        usable = _entries(decision_cache.parse(raw)[0])
     except ValueError:
         usable = []
     assert (written == []) == (usable == []), "only an import that adds an entry creates the cache's files"
 
     cache = fresh()
-    (cache / decisions.FILE_NAME).write_bytes(raw)  # the same bytes as the host's own cache
+    (cache / decision_cache.FILE_NAME).write_bytes(raw)  # the same bytes as the host's own cache
     try:
-        _, dropped = decisions.parse(raw)
+        _, dropped = decision_cache.parse(raw)
         readable = True
     except ValueError:
         readable, dropped = False, []
@@ -284,12 +294,12 @@ def test_cache_never_stores_an_entry_recovery_cannot_apply(fresh, data):
             "export writes only what import accepts"
     else:
         assert status == 2 and not exported.exists()
-        assert (cache / decisions.FILE_NAME).read_bytes() == raw, "a file that is not a decision file is untouched"
-    store = decisions.Store(cache)  # recovery's own reading
+        assert (cache / decision_cache.FILE_NAME).read_bytes() == raw, "a file that is not a decision file is untouched"
+    store = decision_cache.Store(cache)  # recovery's own reading
     assert store.get("compile", "no such case") is None
     for kind, key in _entries(document):
         entry = store.get(kind, key)
-        assert entry is None or decisions.entry_problems(kind, entry) == []
+        assert entry is None or decision_cache.entry_problems(kind, entry) == []
     assert run(["cache", "clear", "--dir", str(cache)])[0] == 0, "the store set the unreadable file aside"
 
 
@@ -343,7 +353,7 @@ def test_a_line_longer_than_the_limit_is_skipped_and_the_next_one_read(fresh, ca
     with open(path, "wb") as out:
         out.write(b'{"kernel": "' + b"k" * (17 * 2**20) + b'", "action": "x"}\n')
         out.write(json.dumps(RECORD).encode() + b"\n")
-    assert cli.main(["report", str(path)]) == 2
+    assert commands.main(["report", str(path)]) == 2
     out, err = capsys.readouterr()
     assert f"{path}:1: longer than 16 MiB; line skipped" in err
     assert "smemguard.examples:matmul_kernel" in out
@@ -353,7 +363,7 @@ def test_a_number_too_long_for_python_is_a_bad_line_not_a_crash(fresh, capsys):
     path = fresh() / "i.jsonl"
     too_long = '{"kernel": "m:k", "action": "x", "recovery_ms": 1' + "0" * 5000 + "}"
     path.write_text(too_long + "\n" + json.dumps(RECORD) + "\n")
-    assert cli.main(["report", str(path)]) == 2
+    assert commands.main(["report", str(path)]) == 2
     out, err = capsys.readouterr()
     assert f"{path}:1: not JSON (ValueError: Exceeds the limit (4300 digits)" in err
     assert "smemguard.examples:matmul_kernel" in out
@@ -361,7 +371,7 @@ def test_a_number_too_long_for_python_is_a_bad_line_not_a_crash(fresh, capsys):
 
 def test_the_decision_actions_are_recoverys_own():
     stored = {STAGES_REDUCED, WARPS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, BLOCKS_REDUCED, TILES_REDUCED}
-    assert {action for actions in decisions.ACTIONS.values() for action in actions} == stored
+    assert {action for actions in decision_cache.ACTIONS.values() for action in actions} == stored
 
 
 def test_a_cached_entry_recovery_cannot_apply_is_set_aside_and_the_launch_still_recovers(tmp_path, install_guard,

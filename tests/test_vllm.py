@@ -24,8 +24,8 @@ LOAD_THEN_IMPORT_TRITON = """
     from vllm.plugins import load_general_plugins
     load_general_plugins()
     import triton, smemguard
-    from smemguard import runtime
-    print("installed", smemguard.is_installed(), runtime.installed_settings() is not None)
+    from smemguard.facts import process
+    print("installed", smemguard.is_installed(), process.installed_settings() is not None)
 """
 
 

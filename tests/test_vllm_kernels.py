@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 import smemguard  # noqa: E402
-from smemguard import registry  # noqa: E402
+from smemguard.kernels import registry  # noqa: E402
 from smemguard.patches import (  # noqa: E402
     deepgemm_metadata,
     vllm_batch_invariant,
@@ -179,7 +179,7 @@ def as_gpu(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
-    from smemguard import gpus
+    from smemguard.facts import gpus
 
     def become(name: str) -> None:
         major, minor = divmod(gpus.lookup(name).target_arch, 10)

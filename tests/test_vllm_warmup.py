@@ -27,7 +27,7 @@ import triton
 
 pytest.importorskip("vllm")
 
-from smemguard import recovery  # noqa: E402
+from smemguard.engine import recovery  # noqa: E402
 from smemguard.patches import kernel_warmup  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
 

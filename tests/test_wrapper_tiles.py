@@ -1,7 +1,7 @@
 """A library's wrapper that chooses its kernel's tiles and computes the grid from them, declared with
-``smemguard.tile_choice`` and ``smemguard.rerun_on_overflow`` (smemguard/wrapper_tiles.py): on the CPU harness, the
-launch that cannot fit at any stage count is run again with a halved tile, remembered in the process and across
-processes, and every rule of the contract holds. A wrapper of our own: neither SGLang's nor vLLM's."""
+``smemguard.tile_choice`` and ``smemguard.rerun_on_overflow`` (smemguard/engine/wrapper_tiles.py): on the CPU harness,
+the launch that cannot fit at any stage count is run again with a halved tile, remembered in the process and
+across processes, and every rule of the contract holds. A wrapper of our own: neither SGLang's nor vLLM's."""
 
 import inspect
 import json
@@ -12,7 +12,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import smemguard
-from smemguard import cli
+from smemguard.cli import commands
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -59,9 +59,9 @@ def test_the_wrapper_runs_again_with_a_halved_tile_and_its_grid(install_guard, i
     [entry] = json.loads((tmp_path / "decisions" / "decisions.json").read_text())["tiles"].values()
     assert (entry["value"], entry["wrapper"], entry["tile"]) == (64, "test_wrapper_tiles:matmul", "BLOCK_M")
     # The cache commands know the table: a fleet ships the tile like any decision.
-    assert cli.main(["cache", "export", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "decisions")]) == 0
-    assert cli.main(["cache", "import", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "host")]) == 0
-    assert cli.main(["cache", "show", "--dir", str(tmp_path / "host")]) == 0
+    assert commands.main(["cache", "export", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "decisions")]) == 0
+    assert commands.main(["cache", "import", str(tmp_path / "fleet.json"), "--dir", str(tmp_path / "host")]) == 0
+    assert commands.main(["cache", "show", "--dir", str(tmp_path / "host")]) == 0
     assert "smemguard.examples:matmul_kernel on cuda:89 (limit 30000 B): BLOCK_M=128 -> tiles_reduced BLOCK_M=64" in \
         capsys.readouterr().out
 
@@ -69,7 +69,7 @@ def test_the_wrapper_runs_again_with_a_halved_tile_and_its_grid(install_guard, i
 def test_the_next_process_chooses_the_stored_tile_at_once(incident_log, tmp_path, triton_cache):
     """A new install (a new process's view: the tiles learnt in memory are forgotten at uninstall) reads the tile
     from the decision cache: no overflow, no record."""
-    from smemguard.settings import Settings
+    from smemguard.facts.settings import Settings
 
     settings = Settings(log_path=incident_log, cache_dir=tmp_path / "decisions", disabled=("triton_compile",))
     for _ in range(2):

@@ -29,7 +29,7 @@ def register() -> None:
     try:
         _make_logs_visible()
         from smemguard import guard
-        from smemguard.settings import SettingsError
+        from smemguard.facts.settings import SettingsError
     except Exception:
         logging.getLogger("smemguard").warning("smemguard: plugin failed to load; running unguarded", exc_info=True)
         return

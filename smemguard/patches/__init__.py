@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import wrapt
 
-from ..versions import Supported
+from ..facts.versions import Supported
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ MODULES = (
 
 
 class Port(Protocol):
-    """What a patch may use of the installed engine (:class:`smemguard.engine.Engine`). None of its entry
+    """What a patch may use of the installed engine (:class:`smemguard.engine.core.Engine`). None of its entry
     points raises an error of smemguard's own."""
 
-    #: the settings the guard was installed with (a :class:`smemguard.settings.Settings`)
+    #: the settings the guard was installed with (a :class:`smemguard.facts.settings.Settings`)
     settings: Any
 
     def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
@@ -89,7 +89,7 @@ class Patch:
     """One patch's contract as data, and ``patch``/``unpatch``/``is_patched`` for it.
 
     ``name``: the patch module (``__name__``); ``target``: what it patches, dotted; ``modules``: the modules
-    whose import (re)applies it; ``supported``: the releases admitted (:class:`~smemguard.versions.Supported`);
+    whose import (re)applies it; ``supported``: the releases admitted (:class:`~smemguard.facts.versions.Supported`);
     ``checked``: the releases its target was read against, newest last; ``observe_safe``: whether it applies in
     ``SMEMGUARD=observe`` (it only enforces the emulated limit, records, or describes kernels to the engine);
     ``wanted(settings)``: whether these settings want it at all (no emulated limit: no ``max_shared_mem``);
@@ -141,7 +141,7 @@ class Patch:
 
 
 class Registration:
-    """What a library patch files in :mod:`smemguard.registry` for the library's Triton kernels (a fallback, a
+    """What a library patch files in :mod:`smemguard.kernels.registry` for the library's Triton kernels (a fallback, a
     list of alternatives): each kernel once, only a kernel with the parameters the value was written for (else
     one line, and that kernel is left alone), all taken back by :meth:`clear`. ``register(kernel, value)``,
     ``unregister(kernel)`` and ``registered(kernel)`` are the registry's."""
@@ -157,9 +157,9 @@ class Registration:
             return
         found = set(getattr(kernel, "arg_names", ()))
         if not set(params) <= found:
-            from .. import runtime
+            from ..facts import process
 
-            runtime.warn_once(log, ("unexpected parameters", where),
+            process.warn_once(log, ("unexpected parameters", where),
                               "smemguard: %s has unexpected parameters %s (checked against %s); nothing registered "
                               "for it, it runs as the library wrote it", where, sorted(found), checked)
             return

@@ -2,7 +2,7 @@
 
 Shared by the packs for libraries whose wrappers choose a kernel's tiles (``sglang_extend_attention``,
 ``sglang_prefill_attention``): each describes its module here, and the public mechanism
-(:mod:`smemguard.wrapper_tiles`: ``tile_choice`` or ``tiles_at_launch``, and ``rerun_on_overflow``) does the rest,
+(``engine.wrapper_tiles``: ``tile_choice`` or ``tiles_at_launch``, and ``rerun_on_overflow``) does the rest,
 exactly as for a library that declares its own wrappers. The knowledge that makes smaller tiles safe lives in each
 pack's docstring.
 
@@ -18,8 +18,8 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
+from ..engine.wrapper_tiles import rerun_on_overflow
 from . import Layer, Patch
-from ..wrapper_tiles import rerun_on_overflow
 
 
 class DeclaredWrappers(Patch):

@@ -29,11 +29,12 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..engine.steps import Steps
+from ..facts import process
+from ..kernels.launch import Attempt
+from ..store import incidents
+from ..store.decision import TILES_REDUCED
 from . import Layer, Patch
-from .. import incidents, runtime
-from ..decision import TILES_REDUCED
-from ..internal import Steps
-from ..launch import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,8 @@ class TileChoice(Patch):
     @staticmethod
     def _key(shape: tuple) -> tuple:
         """A shape class on this device and limit."""
-        device = runtime.current_device()
-        return (device, runtime.effective_limit(device), *shape)
+        device = process.current_device()
+        return (device, process.effective_limit(device), *shape)
 
     def _learn(self, key: tuple, tile: int | None) -> None:
         """Make the choice answer ``tile`` for ``key`` (None: vLLM's own choice again)."""

@@ -58,10 +58,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..facts import process
+from ..facts.versions import Supported
+from ..store import incidents
+from ..store.decision import FALLBACK as FALLBACK_ACTION
 from . import Layer, Patch, wrapt_layer
-from .. import incidents, runtime
-from ..decision import FALLBACK as FALLBACK_ACTION
-from ..versions import Supported
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +193,14 @@ def _fallback(wrapped, args, kwargs, error: RuntimeError):
             return None
         call = _bind(wrapped, args, kwargs)
         if call.indices is not None:
-            runtime.warn_once(log, (KERNEL, "varlen"), "smemguard: %s refused a varlen batch (%s); smemguard has no "
+            process.warn_once(log, (KERNEL, "varlen"), "smemguard: %s refused a varlen batch (%s); smemguard has no "
                                 "torch schedule for varlen calls, so the error is raised", KERNEL, error)
             return None
         deep_gemm = _deep_gemm(wrapped)
         scheduler = installed_scheduler(_include_dir(deep_gemm), _arch_major(call.context_lens.device),
                                         call.next_n, call.block_size)
         if scheduler is None:
-            runtime.warn_once(log, (KERNEL, "unknown"), "smemguard: %s refused the batch (%s), but the installed "
+            process.warn_once(log, (KERNEL, "unknown"), "smemguard: %s refused the batch (%s), but the installed "
                                 "DeepGEMM's scheduler is not one smemguard can reproduce exactly; the error is "
                                 "raised", KERNEL, error)
             return None

@@ -11,7 +11,7 @@ shared between machines) is launched here.
 
 What it does, when ``flag_gems.utils.libentry`` is imported:
 
-* describes ``LibTuner`` and ``LibEntry`` to :mod:`smemguard.layers`, so the engine retries
+* describes ``LibTuner`` and ``LibEntry`` to :mod:`smemguard.kernels.tuners`, so the engine retries
   their launches: fewer stages of the tuned config (the replacement sits in Triton's JIT
   cache, where ``LibTuner`` finds it), else another config of ``LibTuner``'s own list, whose
   ``pre_hook`` sets the block shapes, written into ``LibTuner``'s database under its own key.
@@ -38,8 +38,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from .. import layers, registry, runtime
-from ..versions import Supported
+from ..facts import process
+from ..facts.versions import Supported
+from ..kernels import registry, tuners
 from . import Patch, Registration
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,12 @@ MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backen
 
 CHECKED = "5.0.2"
 
-_kinds: list = []  # the layer kinds registered with smemguard.layers
+_kinds: list = []  # the layer kinds registered with smemguard.kernels.tuners
 _fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
 
 
 def _libtuner_key(tuner, args: tuple, kwargs: dict) -> tuple:
-    return tuple(tuner.get_key(layers.named_args(tuner, args, kwargs)))
+    return tuple(tuner.get_key(tuners.named_args(tuner, args, kwargs)))
 
 
 def _own_config(tuner, config):
@@ -81,9 +82,9 @@ def _kinds_for(module) -> list:
     if missing:
         raise AttributeError(f"missing {', '.join(missing)}")
     return [
-        layers.Tuner("flag_gems.LibTuner", lambda layer: layers.runs_as(layer, libtuner), _libtuner_key,
-                     _libtuner_config_in_force, layers.adopt_in_cache, takes_variants=False),
-        layers.Entry("flag_gems.LibEntry", lambda layer: layers.runs_as(layer, libentry)),
+        tuners.Tuner("flag_gems.LibTuner", lambda layer: tuners.runs_as(layer, libtuner), _libtuner_key,
+                     _libtuner_config_in_force, tuners.adopt_in_cache, takes_variants=False),
+        tuners.Entry("flag_gems.LibEntry", lambda layer: tuners.runs_as(layer, libentry)),
     ]
 
 
@@ -132,19 +133,19 @@ def _apply(engine) -> None:
         except AttributeError as error:
             version = getattr(sys.modules.get("flag_gems"), "__version__", "?")
             # Every import of a FlagGems module comes back here: one line, then DEBUG.
-            runtime.warn_once(log, ("flaggems", "layers"),
+            process.warn_once(log, ("flaggems", "layers"),
                                 "smemguard: FlagGems %s's LibEntry/LibTuner differ from %s (%s); FlagGems kernels run "
                                 "unguarded. Fix: upgrade smemguard.", version, CHECKED, error)
             return
         for kind in kinds:
-            layers.register(kind)
+            tuners.register(kind)
         _kinds.extend(kinds)
     _register_fallbacks()
 
 
 def _remove() -> None:
     while _kinds:
-        layers.unregister(_kinds.pop())
+        tuners.unregister(_kinds.pop())
     _fallbacks.clear()
 
 
@@ -153,7 +154,7 @@ def _present() -> bool:
     libentry = sys.modules.get(LIBENTRY_MODULE)
     tuner_class = getattr(libentry, "LibTuner", None)
     described = isinstance(tuner_class, type) and any(
-        isinstance(kind, layers.Tuner) and kind.name == "flag_gems.LibTuner" for kind in layers.registered())
+        isinstance(kind, tuners.Tuner) and kind.name == "flag_gems.LibTuner" for kind in tuners.registered())
     return described or any(_fallbacks.holds(kernel, MATMUL_KERNELS[name][1])
                             for _, name, kernel in _imported_matmuls())
 

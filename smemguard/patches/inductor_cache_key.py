@@ -23,8 +23,8 @@ import importlib
 import logging
 import sys
 
-from .. import runtime
-from ..versions import Supported
+from ..facts import process
+from ..facts.versions import Supported
 from . import Patch
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def _apply(engine) -> None:
     global _found, _ours
     config = _config()
     if not isinstance(getattr(config, "cache_key_tag", None), str):
-        runtime.warn_once(log, ("no cache key tag",), "smemguard: this PyTorch has no torch.compiler.config."
+        process.warn_once(log, ("no cache key tag",), "smemguard: this PyTorch has no torch.compiler.config."
                           "cache_key_tag; under an emulated limit give torch.compile its own TORCHINDUCTOR_CACHE_DIR")
         return
     if _present():

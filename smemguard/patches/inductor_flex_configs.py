@@ -56,10 +56,11 @@ import sys
 import threading
 import time
 
-from .. import incidents, runtime
-from ..decision import TILES_REDUCED
-from ..internal import Steps
-from ..versions import Supported
+from ..engine.steps import Steps
+from ..facts import process
+from ..facts.versions import Supported
+from ..store import incidents
+from ..store.decision import TILES_REDUCED
 from . import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,8 @@ def fitting(kind: str, config, head_dim: int, dtype, limit: int):
 
 
 def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: float, steps: Steps) -> list:
-    device = runtime.current_device()
-    limit = runtime.effective_limit(device)
+    device = process.current_device()
+    limit = process.effective_limit(device)
     offered = []
     for config in configs:
         replacement = config

@@ -12,9 +12,9 @@ L4 or A10G given FlexAttention's A100 configs; pytorch #133254, #180278, #175250
 
 What: before Inductor loads, a config the decision cache holds a fitting variant of (decided by an
 earlier process) is replaced by that variant, compiled through Inductor (``engine.on_inductor_load``,
-:func:`smemguard.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises
+:func:`smemguard.engine.inductor.load_remembered`), so nothing fails to load. When ``_make_launchers`` raises
 for a resource that does not fit (shared memory, threads), the
-engine (``engine.on_inductor_overflow``, :func:`smemguard.inductor.recover`) compiles fewer-stage
+engine (``engine.on_inductor_overflow``, :func:`smemguard.engine.inductor.recover`) compiles fewer-stage
 variants of the configs Inductor had compiled (smaller blocks for pointwise and reduction kernels),
 through Inductor's own ``_precompile_config`` and ``make_launcher``, and leaves the ones that load as
 the kernel's compile results and launchers: ``_make_launchers`` then returns as if they had been
@@ -34,7 +34,7 @@ first retries the last config at one stage itself, ``compile_by_disabling_pipeli
 
 from __future__ import annotations
 
-from ..versions import Supported
+from ..facts.versions import Supported
 from . import Layer, Patch, wrapt_layer
 
 _OWN_RETRY = "dynamic_disable_pipelining"

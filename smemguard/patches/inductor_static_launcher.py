@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import sys
 
-from .. import runtime
-from ..versions import Supported
+from ..facts import process
+from ..facts.versions import Supported
 from . import Layer, Patch, wrapt_layer
 
 #: Where the static CUDA launcher lives: torch 2.11 and later, then 2.8 to 2.10.
@@ -37,7 +37,7 @@ _layers = {module: Layer(module, "StaticallyLaunchedCudaKernel.load_kernel") for
 
 
 def _refuse_over_emulated_limit(wrapped, instance, args, kwargs):
-    limit = runtime.emulated_limit()
+    limit = process.emulated_limit()
     shared = getattr(instance, "shared", 0)
     if limit is not None and not _loaded(instance, args, kwargs) and shared > _STATIC_SHARED and shared >= limit:
         import torch
@@ -57,7 +57,7 @@ def _loaded(instance, args, kwargs) -> bool:
 
 
 def _apply(engine) -> None:
-    runtime.set_emulated_limit(engine.settings.max_shared)
+    process.set_emulated_limit(engine.settings.max_shared)
     for module, layer in _layers.items():
         if hasattr(sys.modules.get(module), "StaticallyLaunchedCudaKernel"):
             layer.add(wrapt_layer(_refuse_over_emulated_limit))

@@ -4,18 +4,18 @@ Why: when another process (or an earlier run, or ``smemguard check --decisions``
 compiled variant overflows this GPU, compiling it first is wasted seconds and a wasted exception.
 ``_do_compile`` runs only on a JIT cache miss, with the key the variant will be cached under, what
 it compiles (signature, constants, attributes) and Triton's parsed options; the wrapper keys the
-variant as recovery does (:func:`smemguard.decisions.variant_id`) and asks the decision cache
-(``context.remembered_compile``, :func:`smemguard.recall.remembered_compile`):
+variant as recovery does (:func:`smemguard.store.decision_cache.variant_id`) and asks the decision cache
+(``engine.remembered_compile``, :func:`smemguard.engine.recall.remembered_compile`):
 
 * fewer stages (or warps) fit: the remembered options are swapped in, and the kernel's
-  pipeline-depth parameters lowered with them (:mod:`smemguard.knobs`), so the replacement is
+  pipeline-depth parameters lowered with them (:mod:`smemguard.kernels.parameters`), so the replacement is
   compiled and cached under the original key and every launch of that variant runs it. Not inside
   the autotuner's benchmarking (``Autotuner._bench``): there an overflowing config must fail, so
   that the autotuner never prefers it;
 * another config of the tuner fits (or the autotuner is benchmarking the variant): the
   ``OutOfResources`` the variant's launch would raise is raised before compiling it. The
   autotuner's benchmark counts it as a failed config, as it would; the launch guard switches the
-  tuner to the stored config (:func:`smemguard.recovery.handle`).
+  tuner to the stored config (:func:`smemguard.engine.recovery.handle`).
 
 Launches never pass through here once cached. Not applied in observe mode (it changes what is
 compiled), nor without a decision cache (``SMEMGUARD_CACHE_DIR=off``).
@@ -30,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .. import runtime
-from ..knobs import lowered_constexprs
-from ..versions import Supported
+from ..facts import process
+from ..facts.versions import Supported
+from ..kernels.parameters import lowered_constexprs
 from . import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _compile_remembered(wrapped, instance, args, kwargs):
             override = None
     kernel = wrapped(*args, **kwargs)
     if override and kernel is not None:
-        runtime.note_replacement(instance, device, key, kernel)  # uninstall() takes it out again
+        process.note_replacement(instance, device, key, kernel)  # uninstall() takes it out again
     return kernel
 
 

@@ -4,7 +4,7 @@ Why: ``kernel[grid](*args)`` is how JIT functions, autotuners and heuristics are
 ``__getitem__`` returns a small closure that calls ``kernel.run(grid=grid, warmup=False, ...)``.
 Our closure is the same call inside a ``try``, whose ``except OutOfResources`` hands the
 failed launch (kernel object, grid, arguments, and a way to run it again as asked) to the engine
-(``engine.on_out_of_resources``, :func:`smemguard.recovery.handle`). The error is raised on the host before anything is
+(``engine.on_out_of_resources``, ``engine.recovery.handle``). The error is raised on the host before anything is
 enqueued (``CompiledKernel._init_handles``), so the launch can be retried with the same buffers.
 
 Why not a wrapt wrapper here, unlike the other patches: this sits on every kernel launch,

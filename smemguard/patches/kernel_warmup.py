@@ -4,7 +4,7 @@ Why: vLLM 0.33 compiles many Triton kernels at start-up without launching them
 (``vllm/model_executor/warmup/jit_warmup_triton_helper.py`` calls ``kernel.warmup(grid=(1,),
 **kwargs)``), and so can any program (``kernel.warmup(...)``). A kernel compiled there that
 exceeds the limit is known before the first request, from its ``metadata.shared``: the engine
-(``engine.on_warmup``, :func:`smemguard.recovery.handle_warmup`) decides its replacement then
+(``engine.on_warmup``, :func:`smemguard.engine.recovery.handle_warmup`) decides its replacement then
 and puts it into Triton's JIT cache under the same key, so the first request pays no exception
 and no compile. ``warmup`` returns the kernel that will run. Nothing is launched: a tuned
 kernel (whose candidates would be timed by launching them) is left to its first launch, and so
@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextvars
 import functools
 
-from ..versions import Supported
+from ..facts.versions import Supported
 from . import Layer, Patch, bound
 
 

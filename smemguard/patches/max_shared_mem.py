@@ -8,25 +8,25 @@ one would, so the failures of an L4 reproduce on an H200.
 
 Only the limit Triton enforces changes. Code that picks its configs from
 ``get_device_properties()`` still sees the real GPU. The emulated limit is kept in
-:mod:`smemguard.runtime`, where the engine reads it.
+:mod:`smemguard.facts.process`, where the engine reads it.
 
 The same function, an ``lru_cache`` over the device index, in every release checked.
 """
 
 from __future__ import annotations
 
-from .. import runtime
+from ..facts import process
 from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _min_with_emulated(wrapped, instance, args, kwargs):
     device_limit = wrapped(*args, **kwargs)
-    limit = runtime.emulated_limit()
+    limit = process.emulated_limit()
     return device_limit if limit is None else min(device_limit, limit)
 
 
 def _set_emulated_limit(engine) -> None:
-    runtime.set_emulated_limit(engine.settings.max_shared)
+    process.set_emulated_limit(engine.settings.max_shared)
 
 
 PATCH = Patch(__name__, target="triton.compiler.compiler.max_shared_mem", modules=("triton",), supported=TRITON,
@@ -34,4 +34,4 @@ PATCH = Patch(__name__, target="triton.compiler.compiler.max_shared_mem", module
               observe_safe=True,  # observe mode enforces the emulated limit too: that is what it observes
               wanted=lambda settings: settings.max_shared is not None,
               layers={Layer("triton.compiler.compiler", "max_shared_mem"): wrapt_layer(_min_with_emulated)},
-              apply=_set_emulated_limit, remove=lambda: runtime.set_emulated_limit(None))
+              apply=_set_emulated_limit, remove=lambda: process.set_emulated_limit(None))

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import inspect
 
+from ..engine.wrapper_tiles import tile_choice
+from ..facts.versions import Supported
 from ._declared_wrappers import DeclaredWrappers
-from ..versions import Supported
-from ..wrapper_tiles import tile_choice
 
 TARGET_MODULE = "sglang.kernels.ops.attention.extend_attention"
 CHOICE = "_get_block_sizes_for_extend_attention"

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import inspect
 
+from ..engine.wrapper_tiles import tiles_at_launch
+from ..facts.versions import Supported
 from ._declared_wrappers import DeclaredWrappers
-from ..versions import Supported
-from ..wrapper_tiles import tiles_at_launch
 
 TARGET_MODULE = "sglang.kernels.ops.attention.prefill_attention"
 WRAPPER = "context_attention_fwd"

@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from .. import registry
-from ..versions import Supported
+from ..facts.versions import Supported
+from ..kernels import registry
 from . import Patch, Registration
 
 log = logging.getLogger(__name__)

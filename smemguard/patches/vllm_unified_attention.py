@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import inspect
 
+from ..facts.versions import Supported
 from ._tile_choice import TileChoice
-from ..versions import Supported
 
 TARGET_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 WRAPPER = "unified_attention"

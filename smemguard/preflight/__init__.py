@@ -4,7 +4,7 @@
 Triton's own compiler (its stages on an ``ASTSource`` for a ``GPUTarget``, as ``triton.compile``
 runs them: no GPU, no driver) up to the stage that allocates shared memory (LLVM IR; PTX and
 ptxas, most of a large config's compile, are skipped), and compares the ``metadata.shared`` it
-sets with the GPU's per-block opt-in limit from :mod:`smemguard.gpus`: the comparison
+sets with the GPU's per-block opt-in limit from :mod:`smemguard.facts.gpus`: the comparison
 ``CompiledKernel._init_handles`` makes before it raises ``OutOfResources`` on the real GPU.
 
 Specializations. Shared memory depends on how a kernel is launched (DESIGN.md sections 4-5), so
@@ -25,7 +25,7 @@ specialization, none of its configs fits.
 Speed. Results are cached on disk under Triton's own compile-cache key (Triton, kernel source and
 dependencies, signature, constants, attributes, options, backend, arch) in
 ``<SMEMGUARD_CACHE_DIR>/preflight``; compiles run in a pool of processes; and for matmul-like
-configs a calibrated interval estimate decides the clear cases (:mod:`smemguard.estimate`, which
+configs a calibrated interval estimate decides the clear cases (:mod:`smemguard.kernels.estimate`, which
 recovery uses too). Estimated
 verdicts are labelled as such everywhere; ``--exact`` compiles all.
 
@@ -36,17 +36,31 @@ the cache key, the process pool), :mod:`.cache` (results on disk),
 :mod:`.check` (the scheduler, the verdicts, the report and its JSON), :mod:`.output` (the text),
 :mod:`.decide` (``--decisions``: recovery's decisions for the overflows found, on a stand-in GPU).
 
-The runtime counterpart, :func:`smemguard.fits`, lives in :mod:`smemguard.pruning`: serving
+The runtime counterpart, :func:`smemguard.fits`, lives in :mod:`smemguard.kernels.pruning`: serving
 processes import it without this package.
 """
 
+from ..kernels.estimate import Estimate, estimate
 from .cache import ResultCache, default_cache
 from .check import Progress, Report, Verdict, check
 from .compiling import build_request, cache_key
 from .discovery import discover
-from ..estimate import Estimate, estimate
-from .model import (ALIGNED, CACHED, ERROR, ESTIMATED, FITS, MEASURED, MISALIGNED, NON_UNIT, NOT_CHECKED, OVERFLOWS,
-                    CheckedKernel, Specialization, TargetError, Variant)
+from .model import (
+    ALIGNED,
+    CACHED,
+    ERROR,
+    ESTIMATED,
+    FITS,
+    MEASURED,
+    MISALIGNED,
+    NON_UNIT,
+    NOT_CHECKED,
+    OVERFLOWS,
+    CheckedKernel,
+    Specialization,
+    TargetError,
+    Variant,
+)
 from .output import format_summary, format_table, unsure_strides
 
 __all__ = ["discover", "check", "format_table", "format_summary", "ResultCache", "default_cache", "build_request",

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from .. import files
+from ..facts import files
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +15,7 @@ MAX_RESULT = 64 * 2**10
 
 
 class ResultCache:
-    """Measured results as small JSON files, one per compile key; written atomically (:mod:`smemguard.files`)."""
+    """Measured results as small JSON files, one per compile key; written atomically (:mod:`smemguard.facts.files`)."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
@@ -58,7 +58,7 @@ def valid(result) -> bool:
 def default_cache() -> ResultCache:
     """``SMEMGUARD_CACHE_DIR/preflight``; no cache when the setting is off or unusable (its problem line
     says so): the default directory is never written in place of the one the user named."""
-    from .. import settings
+    from ..facts import settings
 
     current = settings.current()
     usable = current.cache_dir is not None and not current.ignored(settings.CACHE_DIR)

@@ -11,14 +11,26 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from .. import gpus, introspect
 from .._version import __version__
+from ..facts import gpus
+from ..kernels import introspect
+from ..kernels.estimate import Estimate, estimate, stages_change_bytes
+from ..kernels.parameters import PIPELINE_DEPTH, knobs_of
 from .cache import ResultCache
-from .compiling import CompileRequest, Compiler, PlanError, build_request, cache_key, hip_compile_problem
-from ..estimate import Estimate, estimate, stages_change_bytes
-from ..knobs import PIPELINE_DEPTH, knobs_of
-from .model import (BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NOT_CHECKED, OVERFLOWS, CheckedKernel,
-                    Specialization, Variant)
+from .compiling import Compiler, CompileRequest, PlanError, build_request, cache_key, hip_compile_problem
+from .model import (
+    BY_ORDER,
+    CACHED,
+    ERROR,
+    ESTIMATED,
+    FITS,
+    MEASURED,
+    NOT_CHECKED,
+    OVERFLOWS,
+    CheckedKernel,
+    Specialization,
+    Variant,
+)
 
 #: Version of the ``--json`` document (see :func:`Report.to_json`).
 SCHEMA = "smemguard.check/1"
@@ -60,7 +72,7 @@ class Item:
 
 
 def _without_stages(item: Item) -> Variant:
-    """``item``'s config with its stage count and pipeline-depth parameters (smemguard.knobs) left out."""
+    """``item``'s config with its stage count and pipeline-depth parameters (smemguard.kernels.parameters) left out."""
     depths = set(knobs_of(item.kernel.jit).with_role(PIPELINE_DEPTH))
     return replace(item.variant, num_stages=0,
                    constexprs=tuple((name, 0 if name in depths else value) for name, value in item.variant.constexprs))
@@ -103,7 +115,7 @@ class _Group:
         # Configs that differ only in num_stages, where stages change nothing: once two of one family
         # (the cheapest, at its fewest and most stages) have compiled to the same bytes, each family
         # needs one compile. Any two of a family that differ end the sharing: everything compiles.
-        # Stages change nothing before sm_80, nor in a kernel none of whose loops follows them (smemguard.knobs).
+        # Stages change nothing before sm_80, nor in a kernel none of whose loops follows them (kernels.parameters).
         families: dict[Variant, list[Item]] = {}
         for item in items:
             if item.request is not None and item.problem is None and (

@@ -17,7 +17,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .. import gpus, introspect, runtime
+from ..facts import gpus, process
+from ..kernels import introspect
 from .discovery import jit_from_locator
 from .model import ELEMENT_BYTES, INT_TYPES, NONE, CheckedKernel, Specialization, Variant
 
@@ -154,7 +155,7 @@ def _attrs(jit, request: CompileRequest) -> dict:
     this check assumes every tensor is ("S": ``tt.pointer_range`` 32)."""
     from triton import knobs
 
-    every_constexpr_listed = runtime.triton_release() >= (3, 7)
+    every_constexpr_listed = process.triton_release() >= (3, 7)
     in_2gb = "S" if request.backend == "hip" and knobs.amd.use_buffer_ops else ""
     backend = _backend(request.arch)
     attrs = {}
@@ -197,7 +198,7 @@ def hip_compile_problem() -> str | None:
     find_linker = getattr(HIPBackend, "path_to_rocm_lld", None)
     if find_linker is None:
         return None
-    advice = (f"Triton {runtime.triton_version()} links AMD code objects with an external ld.lld of LLVM "
+    advice = (f"Triton {process.triton_version()} links AMD code objects with an external ld.lld of LLVM "
               f"{OLDEST_HIP_LLD} or newer: install ROCm, or run 'apt-get install lld-19' and set "
               "TRITON_HIP_LLD_PATH=/usr/lib/llvm-19/bin/ld.lld (Triton 3.5 and later need none)")
     try:
@@ -235,7 +236,7 @@ def cache_key(jit, request: CompileRequest) -> str:
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
     backend = _backend(request.arch)
-    with runtime.quiet_triton():
+    with process.quiet_triton():
         options = backend.parse_options(dict(request.options))
     env = sorted(get_cache_invalidating_env_vars().items())
     triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
@@ -248,7 +249,7 @@ def compile_request(jit, request: CompileRequest) -> dict:
     started = time.perf_counter()
     try:
         # A failing pass may print a reproducer on stdout; stdout may be --json.
-        with runtime.quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
+        with process.quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
             shared = shared_memory(_source(jit, request), request.arch, request.options)
         return {"shared": shared, "error": None, "seconds": time.perf_counter() - started}
     except Exception as error:  # CompilationError, assertion in a pass: the config does not compile
@@ -279,7 +280,7 @@ def shared_memory(source, arch: int | str, options: dict) -> int:
         module = stage(module, metadata)
         if "shared" in metadata:
             return int(metadata["shared"])
-    raise RuntimeError(f"no stage of Triton {runtime.triton_version()} set metadata.shared")
+    raise RuntimeError(f"no stage of Triton {process.triton_version()} set metadata.shared")
 
 
 @functools.cache

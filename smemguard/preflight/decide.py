@@ -6,8 +6,8 @@ launched as the check compiled it, on a stand-in of that GPU (:func:`smemguard.t
 arguments whose alignment, sizes divisible by 16 and arguments equal to 1 are the specialization's,
 the config in force through the kernel's own autotuner (or passed to a plain JIT function). Triton
 compiles it for the GPU's arch and its own check rejects it; recovery's ladder
-(:func:`smemguard.ladder.decide`) compiles candidates as at run time, and the decision is keyed as
-recovery keys it (:func:`smemguard.decisions.cases_for`: by what was compiled, not by how the launch
+(:func:`smemguard.engine.ladder.decide`) compiles candidates as at run time, and the decision is keyed as
+recovery keys it (:func:`smemguard.store.decision_cache.cases_for`: by what was compiled, not by how the launch
 spelled it). A host that imports the file compiles a fewer-stage (or fewer-warp) variant directly,
 and switches a tuner from the config to the stored one at its first launch without compiling the config
 or trying others.
@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .. import decisions, gpus, introspect, ladder, layers
-from ..decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
-from ..launch import overflow, resolve
+from ..engine import ladder
+from ..facts import gpus
+from ..kernels import introspect, tuners
+from ..kernels.launch import overflow, resolve
+from ..store import decision_cache
+from ..store.decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
 from .check import Report
 from .compiling import HEURISTIC_SIZE, build_request, torch_dtype
 from .model import INT_TYPES, OVERFLOWS, CheckedKernel, Specialization, Variant
@@ -46,13 +49,13 @@ class NotDecided(Exception):
 class Decisions:
     """The decision file for a report, and one line per overflow it holds no entry for."""
 
-    data: dict = field(default_factory=decisions.empty)
+    data: dict = field(default_factory=decision_cache.empty)
     notes: list[str] = field(default_factory=list)
     decided: int = 0  # overflowing (kernel, config, specialization, GPU) with an entry (shared ones counted each)
 
     @property
     def entries(self) -> int:
-        return sum(len(self.data[table]) for table in decisions.KINDS)
+        return sum(len(self.data[table]) for table in decision_cache.KINDS)
 
 
 @dataclass
@@ -157,9 +160,9 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
     if decision.action not in (*OPTION_ONLY, CONFIG_CHANGED):
         what = "run the registered fallback" if decision.action == FALLBACK else f"re-raise ({decision.reason})"
         raise NotDecided(f"recovery would {what} here; that holds for one tuning key only, so it is not written")
-    case = decisions.cases_for(launch, failing)[decisions.case_name(decision)]
-    table, entry = decisions.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
-    return table, decisions.case_id(case), entry
+    case = decision_cache.cases_for(launch, failing)[decision_cache.case_name(decision)]
+    table, entry = decision_cache.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
+    return table, decision_cache.case_id(case), entry
 
 
 def stand_in_grid(meta) -> tuple:
@@ -185,7 +188,7 @@ def stand_in_launch(kernel: CheckedKernel, variant: Variant, spec: Specializatio
 def _tuner_config(kernel: CheckedKernel, variant: Variant):
     """The ``triton.Config`` that puts ``variant`` in force through the kernel's autotuner (its own
     object where the list has it), or None for a kernel launched without one."""
-    tuner = next((layer for layer in introspect.chain(kernel.launched) if layers.tuner_for(layer)), None)
+    tuner = next((layer for layer in introspect.chain(kernel.launched) if tuners.tuner_for(layer)), None)
     if tuner is None:
         return None
     for config in tuner.configs:

@@ -19,10 +19,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
 
-from .. import introspect
+from ..kernels import introspect
 from . import source
-from .model import (ALIGNED, BY_LAYOUT, BY_ORDER, INT_TYPES, MISALIGNED, NON_UNIT, CheckedKernel, Specialization,
-                    TargetError, Variant)
+from .model import (
+    ALIGNED,
+    BY_LAYOUT,
+    BY_ORDER,
+    INT_TYPES,
+    MISALIGNED,
+    NON_UNIT,
+    CheckedKernel,
+    Specialization,
+    TargetError,
+    Variant,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import incidents, introspect
-from ..estimate import ELEMENT_BYTES, FITS, OVERFLOWS  # noqa: F401  (re-exported: the estimate decides in the check's own words)
+from ..kernels import introspect
+from ..kernels.estimate import (  # noqa: F401  (re-exported: the estimate decides in the check's own words)
+    ELEMENT_BYTES,
+    FITS,
+    OVERFLOWS,
+)
+from ..store import incidents
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"
@@ -24,7 +29,6 @@ NOT_CHECKED = "not_checked"
 MEASURED = "measured"
 CACHED = "cached"
 ESTIMATED = "estimated"
-
 
 
 #: Integer types Triton's launcher marks as divisible by 16 and turns into a constant when 1.

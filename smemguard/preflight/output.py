@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .. import gpus
+from ..facts import gpus
+from ..kernels.estimate import ESTIMATE_MARGIN
 from .check import Report, Verdict
-from ..estimate import ESTIMATE_MARGIN
 from .model import BY_LAYOUT, BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NON_UNIT, NOT_CHECKED, OVERFLOWS
 
 #: Distinct error messages the text report lists (``--json`` has every one).

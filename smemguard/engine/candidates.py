@@ -1,5 +1,5 @@
-"""What a candidate is, shared by every path that compiles one: the launch ladder (:mod:`smemguard.ladder`), the
-compile-time core (:mod:`smemguard.compile_fit`) and torch.compile's load-time recovery (:mod:`smemguard.inductor`).
+"""What a candidate is, shared by every path that compiles one: the launch ladder (:mod:`smemguard.engine.ladder`), the
+compile-time core (:mod:`.compile_fit`) and torch.compile's load-time recovery (:mod:`.inductor`).
 
 A candidate is a config with other options (and the parameters that follow them); the steps are fewer warps when
 threads do not fit and fewer stages when shared memory does not, the stage count chosen from the bytes one stage

@@ -1,4 +1,4 @@
-"""Applying a decision stored in the decision cache (:mod:`smemguard.decisions`) to a failing launch,
+"""Applying a decision stored in the decision cache (:mod:`smemguard.store.decision_cache`) to a failing launch,
 or to a compile Triton is about to run.
 
 An entry is untrusted input, even from a trusted directory (another version, a hand edit, a bug):
@@ -15,27 +15,31 @@ import functools
 import logging
 from pathlib import Path
 
-from . import candidates, decisions, incidents, introspect, ladder, registry, runtime
-from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, SHARED, Decision
-from .launch import try_compile, with_config
+from ..facts import process
+from ..kernels import introspect, registry
+from ..kernels.launch import try_compile, with_config
+from ..store import decision_cache, incidents
+from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, SHARED, Decision
+from . import candidates, ladder
 
 log = logging.getLogger(__name__)
 
 #: Threads per block no GPU exceeds.
 MAX_THREADS = 1024
 
+
 def options_problem(options: dict, stages: int, warps: int, warp_size: int) -> str | None:
     """Why stored ``options`` cannot replace a variant compiled with ``stages`` and ``warps``, or None."""
     most_warps = min(warps, MAX_THREADS // warp_size)
     if options.get("num_stages", stages) > stages:
         return f"num_stages {options['num_stages']} is more than the {stages} of the variant it replaces"
-    if not decisions.power_of_two(options.get("num_warps", warps), most_warps):
+    if not decision_cache.power_of_two(options.get("num_warps", warps), most_warps):
         return f"num_warps {options['num_warps']} is not a power of two from 1 to {most_warps}"
     return None
 
 
 def _ignored(key: str, why: str) -> None:
-    runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (%s): recovering as if "
+    process.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (%s): recovering as if "
                       "nothing were stored", key, why)
 
 
@@ -50,15 +54,16 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     switches to another config (:func:`switch` applies it at the launch guard). Never while
     :data:`compiling_as_asked`.
     """
-    store = decisions.store(directory)
+    store = decision_cache.store(directory)
     if store is None or compiling_as_asked or not (store.holds("compile") or store.holds("launch")):
         return None
-    key = decisions.case_id(decisions.device_case(jit, decisions.variant_id(source, options.__dict__), device))
+    variant = decision_cache.variant_id(source, options.__dict__)
+    key = decision_cache.case_id(decision_cache.device_case(jit, variant, device))
     table, entry = next(((table, entry) for table in ("compile", "launch")
                          if (entry := store.get(table, key)) is not None), (None, None))
     if entry is None:
         return None
-    benchmarking = bool(runtime.benchmarking)
+    benchmarking = bool(process.benchmarking)
     if table == "compile" and not benchmarking:
         why = options_problem(entry["options"], options.num_stages, options.num_warps,
                               getattr(options, "warp_size", 32))
@@ -72,9 +77,8 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     return None
 
 
-
-#: Set while every variant is compiled as asked, none refused before compiling (:func:`smemguard.recovery.handle`).
-compiling_as_asked = runtime.ThreadFlag()
+#: Set while every variant is compiled as asked, none refused before compiling (:func:`.recovery.handle`).
+compiling_as_asked = process.ThreadFlag()
 
 
 @functools.cache
@@ -97,7 +101,7 @@ def _refusal_type() -> type:
 def _refused(key: str, entry: dict):
     """Triton's own error for a variant that needs ``entry["required"]`` bytes, refused for ``entry``."""
     error = _refusal_type()(key, entry)
-    incidents.add_note(error, f"smemguard: refused before compiling: the decision cache ({decisions.FILE_NAME}, "
+    incidents.add_note(error, f"smemguard: refused before compiling: the decision cache ({decision_cache.FILE_NAME}, "
                        f"entry {key}, decided on {entry.get('gpu', '?')}) says this variant needs {entry['required']} "
                        f"B here; compiling it would raise this error at its launch")
     return error
@@ -159,11 +163,11 @@ def _from_entry(launch, failing, kind: str, key: str, entry: dict):
     return None
 
 
-def recall(launch, failing, cases: dict, store: decisions.Store):
+def recall(launch, failing, cases: dict, store: decision_cache.Store):
     """The decision stored for one of ``cases`` (:func:`decisions.cases_for`), applied to ``launch``; None
     when there is none that applies."""
     for name, case in cases.items():
-        table, key = decisions.TABLES[name], decisions.case_id(case)
+        table, key = decision_cache.TABLES[name], decision_cache.case_id(case)
         entry = store.get(table, key)
         if entry is not None:
             decision = _from_entry(launch, failing, table, key, entry)
@@ -172,11 +176,11 @@ def recall(launch, failing, cases: dict, store: decisions.Store):
     return None
 
 
-def remember(launch, failing, error, decision, cases: dict, store: decisions.Store):
+def remember(launch, failing, error, decision, cases: dict, store: decision_cache.Store):
     """Store ``decision`` about ``error``; if another process stored this case first, apply theirs instead."""
-    case = cases[decisions.case_name(decision)]
-    table, entry = decisions.entry_of(decision, case, decisions.gpu_label(runtime.current_device()), error)
-    key = decisions.case_id(case)
+    case = cases[decision_cache.case_name(decision)]
+    table, entry = decision_cache.entry_of(decision, case, decision_cache.gpu_label(process.current_device()), error)
+    key = decision_cache.case_id(case)
     standing = store.put(table, key, entry)
     if standing is entry:
         return decision

@@ -10,7 +10,7 @@ launcher and its autotuning treat it as one of its own. In order:
 
 1. fewer stages: the ``num_stages`` option and the kwargs through which Inductor's templates and
    mix-order reductions set their loops' depth (``tl.range(..., num_stages=NUM_STAGES)``, read as pipeline
-   depth by :mod:`smemguard.knobs`; torch 2.13's own retry lowers ``NUM_STAGES`` too), each capped at the new
+   depth by ``kernels.parameters``; torch 2.13's own retry lowers ``NUM_STAGES`` too), each capped at the new
    depth: same tiles, same order of arithmetic, bitwise the same result. None when the kernel has no loop
    that follows them;
    fewer ``num_warps`` when it is threads that do not fit;
@@ -39,11 +39,13 @@ import logging
 import re
 import time
 
-from . import decisions, incidents, introspect, knobs, runtime
-from .decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from ..facts import process
+from ..kernels import introspect, parameters
+from ..kernels.launch import Attempt
+from ..store import decision_cache, incidents
+from ..store.decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .candidates import MAX_CANDIDATES, fewer_warps, variant
-from .internal import Steps
-from .launch import Attempt
+from .steps import Steps
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +98,15 @@ DEPTH = "NUM_STAGES"
 
 
 def depth_parameters(autotuner, config) -> list[str]:
-    """The kwargs of ``config`` that set a loop's pipeline depth: those :mod:`smemguard.knobs` reads as
+    """The kwargs of ``config`` that set a loop's pipeline depth: those :mod:`smemguard.kernels.parameters` reads as
     pipeline depth in the kernel's source; where it cannot read the source completely, Inductor's own
     ``NUM_STAGES``, as Inductor's retry treats it. A kwarg used any other way is never lowered."""
-    found = knobs.knobs_of(autotuner.fn)
+    found = parameters.knobs_of(autotuner.fn)
     if found.complete:
-        return [name for name in found.with_role(knobs.PIPELINE_DEPTH) if knobs.is_count(config.kwargs.get(name))]
-    return [DEPTH] if knobs.is_count(config.kwargs.get(DEPTH)) and found.roles.get(DEPTH) != knobs.OTHER else []
+        return [name for name in found.with_role(parameters.PIPELINE_DEPTH)
+                if parameters.is_count(config.kwargs.get(name))]
+    counted = parameters.is_count(config.kwargs.get(DEPTH))
+    return [DEPTH] if counted and found.roles.get(DEPTH) != parameters.OTHER else []
 
 
 def _fewer_stages(config, stages: int, depth: list[str]):
@@ -118,7 +122,7 @@ def _candidates(autotuner, config, overflow: Overflow):
             yield WARPS_REDUCED, variant(config, num_warps=warps)
         return
     depth = depth_parameters(autotuner, config)
-    futile = knobs.knobs_of(autotuner.fn).stages_futile()
+    futile = parameters.knobs_of(autotuner.fn).stages_futile()
     deepest = max([config.num_stages, *(config.kwargs[name] for name in depth)])
     for stages in range(deepest - 1, 0, -1) if futile is None else ():
         yield STAGES_REDUCED, _fewer_stages(config, stages, depth)
@@ -190,22 +194,22 @@ def _device(autotuner) -> int:
     on the current device of the rank that runs it, as Inductor's own ``_resolve_load_device`` reads it."""
     device = autotuner.triton_meta.get("device")
     index = getattr(device, "index", device)  # Inductor's DeviceProperties, or an index
-    return runtime.current_device() if index is None else index
+    return process.current_device() if index is None else index
 
 
 def _case(autotuner, config, device: int) -> dict:
     """What identifies one config of one Inductor kernel on this GPU's arch and limit to other processes."""
     return {"kernel": kernel_name(autotuner), "source_hash": introspect.source_hash(autotuner.fn),
-            **decisions.on_device(device), "config": introspect.config_fields(config)}
+            **decision_cache.on_device(device), "config": introspect.config_fields(config)}
 
 
 def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
     device = _device(autotuner)
     for config, action, candidate in replaced:
         case = _case(autotuner, config, device)
-        store.put("inductor", decisions.case_id(case), decisions.new_entry(
+        store.put("inductor", decision_cache.case_id(case), decision_cache.new_entry(
             case, action=action, final=introspect.config_text(candidate), from_config=introspect.config_text(config),
-            gpu=decisions.gpu_label(device), resource=overflow.resource, required=overflow.required,
+            gpu=decision_cache.gpu_label(device), resource=overflow.resource, required=overflow.required,
             config=introspect.config_fields(candidate)))
 
 
@@ -223,23 +227,23 @@ def load_remembered(autotuner, settings) -> None:
     is replaced by that variant, compiled through Inductor; Inductor then loads it as its own. Nothing
     is done in observe mode, without a decision cache, or when the cache holds no torch.compile entry
     (one stat of the file: the cost of a healthy kernel load)."""
-    store = decisions.store(settings.cache_dir)
+    store = decision_cache.store(settings.cache_dir)
     if settings.observe_only or store is None or autotuner.launchers or not store.holds("inductor"):
         return
     from torch._dynamo.device_interface import DeviceGuard
 
     started, device, steps = time.perf_counter(), _device(autotuner), Steps(kernel_name(autotuner))
-    trial, replaced, overflow = _Trial(autotuner, runtime.effective_limit(device)), [], None
+    trial, replaced, overflow = _Trial(autotuner, process.effective_limit(device)), [], None
     with DeviceGuard(autotuner.get_device_interface(), device):
         for index, result in enumerate(list(autotuner.compile_results)):
-            key = decisions.case_id(_case(autotuner, result.config, device))
+            key = decision_cache.case_id(_case(autotuner, result.config, device))
             entry = store.get("inductor", key)
             if entry is not None:
                 with steps.required("reload the kernel's function"):
                     _with_live_function(autotuner)
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
-                runtime.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
+                process.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
                                   "variant recovery could produce from %s here)", key,
                                   introspect.config_text(result.config))
             if candidate is None:
@@ -269,7 +273,7 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
     if not settings.observe_only:
         with steps.required("reload the kernel's function"):
             _with_live_function(autotuner)
-    limit = runtime.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
+    limit = process.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
     trial = _Trial(autotuner, limit)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
     loaded, replaced = [], []
@@ -289,7 +293,7 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
         autotuner.launchers = [launcher for _, launcher in loaded]
         store = None
         with steps.skippable("open the decision cache"):
-            store = decisions.store(settings.cache_dir)
+            store = decision_cache.store(settings.cache_dir)
         if store is not None:
             with steps.skippable("store the decisions"):
                 _remember(autotuner, overflow, replaced, store)

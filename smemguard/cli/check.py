@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from . import gpus
+from ..facts import gpus
 
 if TYPE_CHECKING:
-    from .preflight import Progress, Report
+    from ..preflight import Progress, Report
 
 # The preflight engine (process pools, AST tools) is imported by the functions that run ``check``
 # only: every other smemguard command builds this parser too.
@@ -117,7 +117,7 @@ what the check needs to know (guessed, or given):
 
 
 def _key_values(text: str, option: str) -> dict[str, Any]:
-    from .preflight import TargetError
+    from ..preflight import TargetError
 
     values = {}
     for part in filter(None, (piece.strip() for piece in text.split(","))):
@@ -144,7 +144,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
-    from .preflight import TargetError
+    from ..preflight import TargetError
 
     chosen = []
     for name in (name for text in texts for name in _names(text)):
@@ -178,22 +178,22 @@ def _overrides(args, gpu_list: list[gpus.Gpu]) -> dict:
 
 def _meta(text: str, gpu_list: list[gpus.Gpu]) -> dict:
     """One --meta config; TargetError for options no launch takes, or that would compile for minutes (before
-    the target is imported). Their bounds are a decision file's (smemguard.decisions): --decisions writes only
+    the target is imported). Their bounds are a decision file's (store.decision_cache): --decisions writes only
     what 'cache import' accepts."""
-    from . import decisions
-    from .preflight import TargetError
+    from ..preflight import TargetError
+    from ..store import decision_cache
 
     config = _key_values(text, "--meta")
     warps = config.get("num_warps", 4)
-    if not decisions.power_of_two(warps, decisions.MAX_WARPS):
+    if not decision_cache.power_of_two(warps, decision_cache.MAX_WARPS):
         raise TargetError(f"--meta {text!r}: num_warps={warps!r}: expected a power of two from 1 to "
-                          f"{decisions.MAX_WARPS} (warps of 32 threads: a block has {MAX_THREADS} at most)")
+                          f"{decision_cache.MAX_WARPS} (warps of 32 threads: a block has {MAX_THREADS} at most)")
     for gpu in gpu_list:
         if warps * gpu.warp_size > MAX_THREADS:
             raise TargetError(f"--meta {text!r}: num_warps={warps} is {warps * gpu.warp_size} threads a block on "
                               f"{gpu.name} ({gpu.warp_size} a warp), over the {MAX_THREADS} a block can have: at "
                               f"most num_warps={MAX_THREADS // gpu.warp_size} there")
-    for name, least, most, why in (("num_stages", 0, decisions.MAX_STAGES, "; compile time grows with the stages: "
+    for name, least, most, why in (("num_stages", 0, decision_cache.MAX_STAGES, "; compile time grows with the stages: "
                                     "512 take minutes"), ("num_ctas", 1, 16, ""), ("maxnreg", 1, 255, "")):
         value = config.get(name, least)
         if type(value) is not int or not least <= value <= most:
@@ -204,8 +204,8 @@ def _meta(text: str, gpu_list: list[gpus.Gpu]) -> dict:
 def _refuse_unknown_meta(kernels, configs: list[dict], gpu_list: list[gpus.Gpu]) -> None:
     """TargetError for a --meta name that is neither a constexpr of a kernel checked nor an option: a launch
     refuses it, and the check would silently leave it out."""
-    from .preflight import TargetError, Variant
-    from .preflight.compiling import hip_option_names
+    from ..preflight import TargetError, Variant
+    from ..preflight.compiling import hip_option_names
 
     options = [field.name for field in dataclasses.fields(Variant) if field.name != "constexprs"]
     amd = hip_option_names() if any(gpu.backend == "hip" for gpu in gpu_list) else frozenset()
@@ -337,8 +337,8 @@ def _duration(seconds: float) -> str:
 
 def run_check(args) -> int:
     """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
-    from . import preflight
-    from .preflight import format_summary, format_table
+    from .. import preflight
+    from ..preflight import format_summary, format_table
 
     with _stdout_to_stderr():
         report = _checked(args)
@@ -358,8 +358,8 @@ def run_check(args) -> int:
 
 def _checked(args) -> Report | None:
     """The check's report (running the target's code), or None once one line on stderr has said why none."""
-    from . import preflight
-    from .preflight import ResultCache, TargetError, check, discover
+    from .. import preflight
+    from ..preflight import ResultCache, TargetError, check, discover
 
     refusal = args.decisions and _unwritable(args.decisions)
     if refusal:
@@ -411,7 +411,7 @@ def _stdout_to_stderr():
 
 def _unwritable(path: Path) -> str | None:
     """Why ``--decisions`` cannot be written (said before anything is checked), or None."""
-    from . import untrusted
+    from ..facts import untrusted
 
     shown = untrusted.printable(str(path))
     if path.is_dir():
@@ -429,8 +429,8 @@ def _unwritable(path: Path) -> str | None:
 def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
     """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
     the file could not be written."""
-    from . import files, untrusted
-    from .preflight.decide import decide
+    from ..facts import files, untrusted
+    from ..preflight.decide import decide
 
     found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
                    progress=None if quiet else _show_decided)

@@ -1,5 +1,5 @@
 """Decisions persisted in ``SMEMGUARD_CACHE_DIR/decisions.json``, shared by every process on the host:
-the file, its schema, and the encoding of a decision as an entry (:mod:`smemguard.recall` applies them).
+the file, its schema, and the encoding of a decision as an entry (:mod:`smemguard.engine.recall` applies them).
 
 A decision says what replaces a failing launch on one arch at one limit. There are three
 kinds, because they are applied at three different moments:
@@ -17,7 +17,7 @@ kinds, because they are applied at three different moments:
 * ``inductor``: the variant (fewer stages, warps or blocks) that replaces one config of a
   torch.compile kernel, keyed by Inductor's kernel name, its source hash, Triton version, arch,
   limit and the config. Applied when Inductor loads the kernel: the variant is compiled and
-  loaded directly (:func:`smemguard.inductor.load_remembered`). Files written before this table
+  loaded directly (:func:`smemguard.engine.inductor.load_remembered`). Files written before this table
   existed have none: they read as an empty one.
 
 A variant is keyed by what Triton compiles (:func:`variant_id`), not by the JIT cache key, which
@@ -26,7 +26,7 @@ holds the launch's keyword order and the Triton release's own text: ``smemguard 
 what compiles and what fits; torch's device name is kept in the entry for people.
 
 The file is JSON (never pickle), read again whenever it changed on disk, and written
-atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.files`), so
+atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.facts.files`), so
 concurrent workers (tensor-parallel ranks, restarts) agree: the first decision stored for a
 case wins and everyone applies that one. A corrupt or foreign-schema file is moved aside with
 one warning and rebuilt; so is a file holding entries recovery could not apply (hand-edited, from
@@ -51,9 +51,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import files, incidents, introspect, runtime, untrusted
+from ..facts import files, process, untrusted
+from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
+from ..kernels import introspect
+from . import incidents
 from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
-from .untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ _OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
 _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
-#: What a wrapper's tile entry holds (:mod:`smemguard.wrapper_tiles`): the tile that fit, and what did not fit.
+#: What a wrapper's tile entry holds (:mod:`smemguard.engine.wrapper_tiles`): the tile that fit, and what did not fit.
 _TILE = Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16)
 _TILES_NEEDS = {"value": Expect("a tile from 1 to 65536, or a list of 1 to 8 of them", lambda value: _TILE.test(value)
                                 or (type(value) is list and 1 <= len(value) <= 8 and all(map(_TILE.test, value)))),
@@ -323,7 +325,7 @@ class Store:
         with self._lock:
             if not self._broken and self.read_only:
                 standing = self._fresh()[kind].setdefault(key, entry)
-                runtime.warn_once(log, ("decisions read-only", str(self.directory)), "smemguard: the decision "
+                process.warn_once(log, ("decisions read-only", str(self.directory)), "smemguard: the decision "
                                   "cache in %s is read-only: its decisions apply, new ones stay in this process.",
                                   self.directory)
                 return standing
@@ -346,7 +348,7 @@ class Store:
         try:
             self._write(serialized(self._data))
         except FileTooLarge as error:
-            runtime.warn_once(log, ("decisions too large", str(self.path)), "smemguard: not storing a new decision "
+            process.warn_once(log, ("decisions too large", str(self.path)), "smemguard: not storing a new decision "
                               "in %s: %s; it holds in this process only. Fix: 'smemguard cache clear' or a "
                               "SMEMGUARD_CACHE_DIR of its own for this fleet", self.path, error)
 
@@ -436,8 +438,8 @@ def on_device(device: int) -> dict:
     enforced there (the emulated one under ``SMEMGUARD_MAX_SHARED``)."""
     from triton.runtime import driver
 
-    return {"triton": runtime.triton_version(), "arch": driver.active.get_current_target().arch,
-            "limit": runtime.effective_limit(device)}
+    return {"triton": process.triton_version(), "arch": driver.active.get_current_target().arch,
+            "limit": process.effective_limit(device)}
 
 
 def device_case(jit, variant: str, device: int) -> dict:
@@ -451,13 +453,13 @@ def gpu_label(device: int) -> str:
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
-    return runtime.gpu_name(device) or f"{target.backend}:{target.arch}"
+    return process.gpu_name(device) or f"{target.backend}:{target.arch}"
 
 
 def cases_for(launch, failing) -> dict:
     """{"compile": case, "config": case, "launch": case} identifying this failure to other processes
     (see :data:`TABLES` and :func:`case_name`)."""
-    case = device_case(launch.jit, compiled_variant_id(failing), runtime.current_device())
+    case = device_case(launch.jit, compiled_variant_id(failing), process.current_device())
     return {"compile": case, "config": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
 
 

@@ -11,8 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import files, gpus, runtime, untrusted
-from ._version import __version__
+from .._version import __version__
+from ..facts import files, gpus, process, untrusted
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
@@ -88,9 +88,9 @@ def _gpus(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import cli_demo
+    from . import demo
 
-    return cli_demo.run(args.gpu, args.settings)
+    return demo.run(args.gpu, args.settings)
 
 
 def _report(args) -> int:
@@ -123,8 +123,8 @@ def _report(args) -> int:
 
 
 def _replay(args) -> int:
+    from ..facts.settings import parse_max_shared
     from . import replay, report
-    from .settings import parse_max_shared
 
     try:
         limit = parse_max_shared(args.limit)[0] if args.limit else None
@@ -142,7 +142,7 @@ def _replay(args) -> int:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2
     try:
-        with runtime.quiet_triton():
+        with process.quiet_triton():
             return replay.replay(found.fields, limit, print)
     except replay.ReplayError as error:
         print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
@@ -153,7 +153,7 @@ def _replay(args) -> int:
 
 def _cache_directory(args) -> tuple[Path | None, str | None]:
     """The cache directory to act on, or why there is none (nothing is touched then)."""
-    from .settings import CACHE_DIR, USING_THE_DEFAULT
+    from ..facts.settings import CACHE_DIR, USING_THE_DEFAULT
 
     if args.dir is not None:
         try:
@@ -172,9 +172,9 @@ def _cache_directory(args) -> tuple[Path | None, str | None]:
 
 
 def _show(data: dict, path: Path, as_json: bool) -> None:
-    from . import decisions
+    from ..store import decision_cache
 
-    entries = [entry for kind in decisions.KINDS for entry in data[kind].values()]
+    entries = [entry for kind in decision_cache.KINDS for entry in data[kind].values()]
     if as_json:
         print(json.dumps(data, indent=1, sort_keys=True))
     elif not entries:
@@ -196,21 +196,21 @@ def _entry_line(entry: dict) -> str:
 
 
 def _cache(args) -> int:
-    from . import decisions
+    from ..store import decision_cache
 
     command = f"smemguard cache {args.action}"
     directory, refusal = _cache_directory(args)
     if refusal:
         print(f"{command}: {refusal}", file=sys.stderr)
         return 2
-    store = decisions.Store(directory)
+    store = decision_cache.Store(directory)
     shown_path = untrusted.printable(str(store.path))
     if args.action in ("clear", "import") and store.read_only:
         print(f"{command}: {untrusted.printable(str(directory))} is read-only: the decisions in it apply, but this "
               "command writes; nothing was changed", file=sys.stderr)
         return 2
     try:
-        data, dropped = decisions.read(store.path)
+        data, dropped = decision_cache.read(store.path)
     except ValueError as problem:
         print(f"{command}: {shown_path} is not a smemguard decision file ({problem}); nothing was changed. Fix: "
               "move it away (smemguard starts a new one), or point --dir / SMEMGUARD_CACHE_DIR elsewhere",
@@ -235,7 +235,7 @@ def _cache(args) -> int:
                     print("(read-only: these apply; a new decision stays in the process that made it)")
             else:
                 _export(Path(args.file), json.dumps(data, indent=1, sort_keys=True) + "\n")
-                count = sum(len(data[kind]) for kind in decisions.KINDS)
+                count = sum(len(data[kind]) for kind in decision_cache.KINDS)
                 print(f"exported {count} decisions from {shown_path} to {untrusted.printable(args.file)}")
         elif args.action == "clear":
             if not store.path.exists():
@@ -255,7 +255,7 @@ def _cache(args) -> int:
 
 
 def _unreadable(path: Path, error: OSError) -> str:
-    """One line saying why ``path`` could not be read (``error`` from :mod:`smemguard.files`)."""
+    """One line saying why ``path`` could not be read (``error`` from :mod:`smemguard.facts.files`)."""
     if isinstance(error, files.Refused):
         return untrusted.printable(str(error))
     return f"cannot read {untrusted.printable(str(path))}: {error.strerror or error}"
@@ -270,16 +270,16 @@ def _export(path: Path, text: str) -> None:
 
 
 def _import(command: str, store, source: Path) -> int:
-    from . import decisions
+    from ..store import decision_cache
 
     shown_source = untrusted.printable(str(source))
     try:
-        raw = files.read_bytes(source, decisions.MAX_FILE)
+        raw = files.read_bytes(source, decision_cache.MAX_FILE)
     except OSError as error:
         print(f"{command}: {_unreadable(source, error)}; nothing imported", file=sys.stderr)
         return 2
     try:
-        data, dropped = decisions.parse(raw)
+        data, dropped = decision_cache.parse(raw)
     except ValueError as error:
         print(f"{command}: {shown_source} is not a smemguard decision file ({error}); nothing imported. Fix: "
               "export one with 'smemguard cache export FILE' on the host that learned the decisions",
@@ -289,7 +289,7 @@ def _import(command: str, store, source: Path) -> int:
         print(f"{command}: {shown_source}: {problem}; not imported", file=sys.stderr)
     try:
         added, present = store.merge(data)
-    except decisions.FileTooLarge as error:
+    except decision_cache.FileTooLarge as error:
         print(f"{command}: not importing {shown_source} into {untrusted.printable(str(store.path))}: {error}; nothing "
               "imported. Fix: 'smemguard cache clear' first, or import into another --dir", file=sys.stderr)
         return 2
@@ -309,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from .cli_check import add_check_command
-    from .cli_run import add_run_command
+    from .check import add_check_command
+    from .run import add_run_command
 
     _add_demo_command(commands)
     _add_gpus_command(commands)
@@ -422,9 +422,10 @@ def _add_versions_command(commands) -> None:
 
 
 def _versions(args) -> int:
-    from . import versions
+    from .. import patches
+    from ..facts import versions
 
-    rows = versions.patch_versions()
+    rows = versions.patch_versions(patches.all_patches())
     print(versions.markdown(rows) if args.markdown else versions.table_text(rows))
     return 0
 
@@ -432,7 +433,7 @@ def _versions(args) -> int:
 def _report_settings(settings, stated_by_the_command: tuple[str, ...] = ()) -> bool:
     """Print each settings problem as install() logs it, but those of the variables the command states in its own
     refusal; False when strict mode stops here."""
-    from .guard import settings_problems
+    from ..guard import settings_problems
 
     problems = settings_problems(settings)
     strict_stops = bool(problems) and settings.mode == "strict"
@@ -453,9 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         # Not through argparse: CMD's own options must stay CMD's, and argparse's handling of "--" before
         # a REMAINDER differs between Python versions. Nor are the settings reported here: each process
         # of CMD reports them as it installs, and a bad one must not stop CMD.
-        from . import cli_run
+        from . import run
 
-        return cli_run.main(argv[1:])
+        return run.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "cache" and args.action in ("export", "import") and not args.file:
         args.cache_parser.error(f"cache {args.action} needs a FILE")  # its own usage, not the top level's
-    from . import settings
+    from ..facts import settings
 
     args.settings = settings.load()
     if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
@@ -480,6 +481,3 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
             return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -76,8 +76,8 @@ def _keep_fitting(inner, configs, named_args: dict, kwargs: dict) -> list:
     from triton.runtime import driver
     from triton.runtime.errors import PTXASError
 
+    from ..facts.process import effective_limit
     from .launch import resolve
-    from .runtime import effective_limit
 
     # What Autotuner._bench turns into an infinite time: the autotuner would never pick these.
     tolerated = (PTXASError, CompileTimeAssertionFailure)

@@ -29,7 +29,7 @@ _timings_lock = threading.Lock()
 
 def installed_settings():
     """The settings smemguard is installed with in this process, or None: what code that no patch hands them to
-    (a library's declared wrappers, :mod:`smemguard.wrapper_tiles`) reads."""
+    (a library's declared wrappers, :mod:`smemguard.engine.wrapper_tiles`) reads."""
     return _installed_settings
 
 
@@ -249,7 +249,7 @@ class ProcessFlag(ThreadFlag):
 
 
 #: Set while smemguard's own engine compiles variants to measure them (the ladder on its pool of threads,
-#: Inductor recovery, warm-up decisions): the compile-time core (:mod:`smemguard.compile_fit`) stands aside.
+#: Inductor recovery, warm-up decisions): the compile-time core (:mod:`smemguard.engine.compile_fit`) stands aside.
 engine_compiling = ProcessFlag()
 
 

@@ -2,7 +2,7 @@
 compile, check and relaunch it.
 
 :func:`resolve` follows a ``kernel[grid](...)`` launch through entry, heuristics and tuner
-layers (:mod:`smemguard.layers`) down to the JIT function, as their ``run`` methods would, and
+layers (:mod:`smemguard.kernels.tuners`) down to the JIT function, as their ``run`` methods would, and
 gives a :class:`Launch`. Everything here compiles at most; nothing launches except
 :meth:`Launch.relaunch`.
 """
@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import introspect, knobs, layers, runtime
+from ..facts import process
+from . import introspect, parameters, tuners
 
 #: Exceptions that mean smemguard built a candidate wrongly (a bad argument binding, a missing
 #: attribute), not that the candidate does not compile: counted as ``internal_error``.
@@ -55,7 +56,7 @@ class Launch:
     tuning_key: tuple | None = None
     config: Any = None  # the tuner's config in force
     tuner_kwargs: dict = field(default_factory=dict)  # the kwargs the tuning layer received
-    tuner_kind: layers.Tuner | None = None  # how to read and update ``tuner``
+    tuner_kind: tuners.Tuner | None = None  # how to read and update ``tuner``
 
     def named_args(self) -> dict:
         """Every kernel parameter by name, as the kernel sees it."""
@@ -74,13 +75,13 @@ class Launch:
     def compile(self, **options):
         """Compile (never launch) with other launch ``options``.
 
-        A parameter that follows the option (:mod:`smemguard.knobs`: a pipeline depth the kernel
+        A parameter that follows the option (:mod:`smemguard.kernels.parameters`: a pipeline depth the kernel
         gives its loops' ``num_stages=``, a warp count it passes on as ``num_warps=``) is lowered
         with it, so that the count asked for is the count compiled. Some kernels take a launch
         option's name as a parameter of their own (Liger-Kernel passes ``num_stages`` and
         ``num_warps`` positionally); Triton then binds a keyword of that name to the parameter as
         well as reading it as the option. Changing such an option is allowed only when the kernel
-        leaves the parameter unused or uses it only as that option: :class:`~smemguard.knobs.OptionIsAParameter`
+        leaves the parameter unused or uses it only as that option: :class:`~.parameters.OptionIsAParameter`
         otherwise.
 
         The config's pre-hook runs first: a TMA pre-hook sets descriptor block shapes, which are part
@@ -101,7 +102,7 @@ class Launch:
         # Triton keys its JIT cache on the parameter, not on the option read from the same keyword: when
         # the parameter already had that value, the cache hands back the variant compiled with the default
         # option. Compile past it, then put the cached kernel back (a decision replaces it later).
-        kernel_cache = self.jit.device_caches[runtime.current_device()][0]
+        kernel_cache = self.jit.device_caches[process.current_device()][0]
         stale = {key: cached for key, cached in list(kernel_cache.items()) if cached is kernel}
         for key in stale:
             del kernel_cache[key]
@@ -111,8 +112,8 @@ class Launch:
             kernel_cache.update(stale)
 
     def following(self, options: dict) -> dict:
-        """The parameters lowered with launch ``options`` (:meth:`smemguard.knobs.Knobs.lowered_with`)."""
-        return knobs.knobs_of(self.jit).lowered_with(options, self.named_args())
+        """The parameters lowered with launch ``options`` (:meth:`smemguard.kernels.parameters.Knobs.lowered_with`)."""
+        return parameters.knobs_of(self.jit).lowered_with(options, self.named_args())
 
     def relaunch(self):
         self.run_config_pre_hook()
@@ -123,7 +124,7 @@ def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
     """Follow entry, heuristics and tuner layers down to the JIT function, as their ``run`` would.
 
     ``config`` replaces the tuner's choice. None when a layer is not understood
-    (:mod:`smemguard.layers`).
+    (:mod:`smemguard.kernels.tuners`).
     """
     from triton.runtime.autotuner import Heuristics
     from triton.runtime.jit import JITFunction
@@ -134,15 +135,15 @@ def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:
     for layer in introspect.chain(launched):
         if isinstance(layer, JITFunction):
             return Launch(launched, grid, args, kwargs, layer, kw, tuner, key, chosen, tuner_kwargs, tuner_kind)
-        if layers.runs_as(layer, Heuristics):
+        if tuners.runs_as(layer, Heuristics):
             for name, heuristic in layer.values.items():
                 kw[name] = heuristic({**dict(zip(layer.arg_names, args)), **kw})
-        elif tuner is None and (tuner_kind := layers.tuner_for(layer)) is not None:
+        elif tuner is None and (tuner_kind := tuners.tuner_for(layer)) is not None:
             tuner, tuner_kwargs = layer, dict(kw)
             key = tuner_kind.key(layer, args, kw)
             chosen = config if config is not None else tuner_kind.config_in_force(layer, key)
             kw = {**kw, **chosen.all_kwargs()}
-        elif not layers.is_entry(layer):  # an entry passes the call on unchanged
+        elif not tuners.is_entry(layer):  # an entry passes the call on unchanged
             return None
     return None
 
@@ -155,7 +156,7 @@ def unknown_layer(launched):
     for layer in introspect.chain(launched):
         if isinstance(layer, JITFunction):
             return None
-        if not (layers.runs_as(layer, Heuristics) or layers.tuner_for(layer) or layers.is_entry(layer)):
+        if not (tuners.runs_as(layer, Heuristics) or tuners.tuner_for(layer) or tuners.is_entry(layer)):
             return layer
     return launched
 
@@ -191,7 +192,7 @@ def check(kernel) -> tuple[bool, int, int]:
     error = overflow(kernel)
     if error is not None:
         return False, error.required, error.limit
-    return True, kernel.metadata.shared, runtime.effective_limit(runtime.current_device())
+    return True, kernel.metadata.shared, process.effective_limit(process.current_device())
 
 
 def describe(launch: Launch, kernel=None, lowered: dict | None = None) -> str:
@@ -293,7 +294,7 @@ def jit_keys_of(launch: Launch, failing):
     Matching by compile hash, not identity: threads that missed the JIT cache together each
     compiled (and stored) their own copy of the failing kernel.
     """
-    kernel_cache = launch.jit.device_caches[runtime.current_device()][0]
+    kernel_cache = launch.jit.device_caches[process.current_device()][0]
     return (key for key, entry in list(kernel_cache.items())
             if (kernel := _compiled(entry)) is not None and kernel.hash == failing.hash)
 
@@ -310,8 +311,8 @@ def _compiled(entry):
 
 def replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
     """Put ``replacement`` under every key whose kernel is a compile of ``failing``."""
-    device = runtime.current_device()
+    device = process.current_device()
     kernel_cache = launch.jit.device_caches[device][0]
     for key in list(jit_keys_of(launch, failing)):
         kernel_cache[key] = replacement
-        runtime.note_replacement(launch.jit, device, key, replacement)
+        process.note_replacement(launch.jit, device, key, replacement)

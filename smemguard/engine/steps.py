@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from . import runtime
+from ..facts import process
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Steps:
              ) -> None:
         """Count and log ``error`` (default: the exception being handled) as a failure of ``step``."""
         self.failed.append(step)
-        runtime.warn_once(log, ("internal", step, self.subject),
+        process.warn_once(log, ("internal", step, self.subject),
                           "smemguard: internal error in step %r for %s; %s (smemguard's bug: please report it)",
                           step, self.subject, consequence, exc_info=error if error is not None else True)
 

@@ -6,7 +6,7 @@ and library tuners, warm-ups, Inductor's templates, pointwise and user kernels. 
 ``metadata.shared`` is known there, before Triton's load check (``CompiledKernel._init_handles``) would
 raise ``OutOfResources``. When it exceeds the limit of the device the kernel will load on (the emulated
 limit under ``SMEMGUARD_MAX_SHARED``), :func:`fit` compiles the same source with fewer stages, the
-kernel's pipeline-depth parameters lowered with them (:mod:`smemguard.knobs`, as the ladder does), and
+kernel's pipeline-depth parameters lowered with them (:mod:`smemguard.kernels.parameters`, as the ladder does), and
 hands the caller the variant that fits: the same tiles, the same grid, the same answer bitwise (only
 pipelining changed). Nothing of the caller's is involved, so no release of torch, vLLM or a library can
 step around it.
@@ -30,7 +30,7 @@ Rules, and why:
   switched away from is still refused before compiling there (``patches/jit_compile``).
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
   compile variants that must be measured as they are: the core stands aside while one runs
-  (:data:`smemguard.runtime.engine_compiling`, process-wide, since the ladder compiles on a pool).
+  (:data:`smemguard.facts.process.engine_compiling`, process-wide, since the ladder compiles on a pool).
 * **What stages cannot fix** (a kernel with no loop to pipeline, a loop with its own fixed depth, one
   stage already, or a source that is not a Triton function) is returned as compiled, for the launch
   guard to decide (other configs, alternatives, fallbacks).
@@ -48,10 +48,13 @@ import logging
 import sys
 import time
 
-from . import decisions, incidents, introspect, recall, runtime
+from ..facts import process
+from ..kernels import introspect
+from ..store import decision_cache, incidents
+from ..store.decision import SHARED, STAGES_REDUCED
+from . import recall
 from .candidates import next_stage_count
-from .decision import SHARED, STAGES_REDUCED
-from .internal import Steps, StepFailed
+from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ def _bound(args: tuple, kwargs: dict):
 
 def _overflow(args, kwargs, kernel) -> tuple[int, int, int] | None:
     """(device, the bytes it needs, the limit) when ``kernel`` will not fit the current device; else None."""
-    if runtime.engine_compiling:
+    if process.engine_compiling:
         return None
     metadata = getattr(kernel, "metadata", None)
     shared = getattr(metadata, "shared", None)
@@ -107,8 +110,8 @@ def _overflow(args, kwargs, kernel) -> tuple[int, int, int] | None:
     _, target, _, _ = _bound(args, kwargs)
     if target is not None and target != driver.active.get_current_target():
         return None  # a cross-compile: not for this device
-    device = runtime.current_device()
-    limit = runtime.effective_limit(device)
+    device = process.current_device()
+    limit = process.effective_limit(device)
     return (device, shared, limit) if shared > limit else None
 
 
@@ -125,7 +128,7 @@ def _gpu_in_use() -> bool:
 def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
     from triton.compiler.compiler import ASTSource
 
-    from .knobs import OptionIsAParameter, knobs_of, lowered_constexprs
+    from ..kernels.parameters import OptionIsAParameter, knobs_of, lowered_constexprs
 
     device, required, limit = overflow
     source, target, options, rest = _bound(args, kwargs)
@@ -157,7 +160,7 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
         attempts.append({"num_stages": count, **lowered, "shared": compiled.metadata.shared})
         return compiled
 
-    with runtime.engine_compiling.scope():
+    with process.engine_compiling.scope():
         fitted = compile_at(stored) if stored else None
         if fitted is None or fitted.metadata.shared > limit:
             fitted = _fewer_stages(compile_at, stages, required, limit)
@@ -172,7 +175,7 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
     if not stored:
         with steps.skippable("store the decision"):
             _store(case, kernel, count, overflow, settings)
-    runtime.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
+    process.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
 
 
@@ -195,12 +198,12 @@ def _fewer_stages(compile_at, stages: int, required: int, limit: int):
 
 
 def _case(jit, kernel, device: int) -> tuple[str, dict]:
-    case = decisions.device_case(jit, decisions.compiled_variant_id(kernel), device)
-    return decisions.case_id(case), case
+    case = decision_cache.device_case(jit, decision_cache.compiled_variant_id(kernel), device)
+    return decision_cache.case_id(case), case
 
 
 def _stored_stages(case, stages: int, kernel, settings) -> int | None:
-    store = decisions.store(settings.cache_dir)
+    store = decision_cache.store(settings.cache_dir)
     if store is None or not store.holds("compile"):
         return None
     key, _ = case
@@ -215,14 +218,14 @@ def _stored_stages(case, stages: int, kernel, settings) -> int | None:
 
 
 def _store(case, kernel, count: int, overflow, settings) -> None:
-    store = decisions.store(settings.cache_dir)
+    store = decision_cache.store(settings.cache_dir)
     if store is None:
         return
     key, fields = case
     device, required, _ = overflow
-    store.put("compile", key, decisions.new_entry(
+    store.put("compile", key, decision_cache.new_entry(
         fields, action=STAGES_REDUCED, final=f"num_stages={count}",
-        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=decisions.gpu_label(device), resource=SHARED,
+        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=decision_cache.gpu_label(device), resource=SHARED,
         required=required, options={"num_stages": count}))
 
 

@@ -115,13 +115,11 @@ class PatchVersions:
         return VERIFIED if self.supported.verified(self.version) else UNVERIFIED
 
 
-def patch_versions() -> list[PatchVersions]:
-    """Every patch module with its checked releases and the installed version of its package (read from the
-    installed distributions: nothing of the targets is imported)."""
-    from . import patches
-
+def patch_versions(patches) -> list[PatchVersions]:
+    """Each of ``patches`` (``patches.all_patches()``) with its checked releases and the installed version of its
+    package (read from the installed distributions: nothing of the targets is imported)."""
     rows = []
-    for patch in patches.all_patches():
+    for patch in patches:
         package = patch.supported.package
         version = installed(package) if package in sys.modules else _distribution_version(package)
         rows.append(PatchVersions(patch.name, patch.target, patch.supported, version))

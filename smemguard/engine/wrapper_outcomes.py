@@ -1,4 +1,4 @@
-"""What a declared wrapper's call that smemguard ran again comes to (:mod:`smemguard.wrapper_tiles`), with its one
+"""What a declared wrapper's call that smemguard ran again comes to (:mod:`.wrapper_tiles`), with its one
 incident record and warning line: smaller tiles that fit; or, where not even the smallest declared tiles fit, the
 wrapper's fallback (a torch computation of the same result, which a pack that knows the op supplies) or the caller's
 own error, with a note naming the wrapper and its line, the tiles, the bytes the smallest still needs, and the exact
@@ -11,10 +11,12 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-from . import decisions, incidents, introspect, runtime
-from .decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
-from .internal import Steps
-from .launch import Attempt
+from ..facts import process
+from ..kernels import introspect
+from ..kernels.launch import Attempt
+from ..store import decision_cache, incidents
+from ..store.decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
+from .steps import Steps
 
 #: The decision cache's table of the tiles declared wrappers learnt.
 TABLE = "tiles"
@@ -26,7 +28,7 @@ class Outcome:
 
     wrapper: Callable
     name: str  # the wrapper's module:qualname
-    declaration: Any  # smemguard.wrapper_tiles._Declaration
+    declaration: Any  # smemguard.engine.wrapper_tiles._Declaration
     jit: Any  # the kernel that did not fit
     shape: tuple
     error: BaseException  # the caller's own: the first launch's OutOfResources
@@ -49,14 +51,14 @@ class Outcome:
         """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
         store = None
         with self.steps.skippable("open the decision cache"):
-            store = decisions.store(self.settings.cache_dir)
+            store = decision_cache.store(self.settings.cache_dir)
         if store is None:
             return
-        case, device = _case(self.declaration, self.name, self.shape), runtime.current_device()
+        case, device = _case(self.declaration, self.name, self.shape), process.current_device()
         with self.steps.skippable("store the tiles"):
-            store.put(TABLE, decisions.case_id(case), decisions.new_entry(
+            store.put(TABLE, decision_cache.case_id(case), decision_cache.new_entry(
                 case, action=TILES_REDUCED, final=self.declaration.label(final), from_config=self.failed[0].config,
-                gpu=decisions.gpu_label(device), resource=SHARED, required=self.error.required,
+                gpu=decision_cache.gpu_label(device), resource=SHARED, required=self.error.required,
                 value=_as_stored(final)))
 
     @property
@@ -97,7 +99,7 @@ class Outcome:
 
     def _report(self, action: str, final: str | None, reason: str | None, attempts: list, message: str,
                 *args) -> str | None:
-        device = runtime.current_device()
+        device = process.current_device()
         incident = incidents.Incident(
             kernel=self.kernel, launched_as=self.name, phase="launch", action=action, final=final, resource=SHARED,
             required=self.error.required, limit_hit=self.error.limit, started=self.started, device=device,
@@ -147,17 +149,17 @@ def _site(wrapper: Callable, error: BaseException) -> str:
 
 def tiles_stored(settings) -> bool:
     """Whether the decision cache holds any learnt tiles; raises when it cannot be read."""
-    store = decisions.store(settings.cache_dir)
+    store = decision_cache.store(settings.cache_dir)
     return store is not None and store.holds(TABLE)
 
 
 def stored_tiles(declaration, wrapper: str, shape: tuple) -> tuple | None:
     """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
-    settings = runtime.installed_settings()
-    store = decisions.store(settings.cache_dir) if settings is not None else None
+    settings = process.installed_settings()
+    store = decision_cache.store(settings.cache_dir) if settings is not None else None
     if store is None or not store.holds(TABLE):
         return None
-    entry = store.get(TABLE, decisions.case_id(_case(declaration, wrapper, shape)))
+    entry = store.get(TABLE, decision_cache.case_id(_case(declaration, wrapper, shape)))
     return _from_store(declaration, entry["value"]) if entry is not None else None
 
 
@@ -167,7 +169,7 @@ def _case(declaration, wrapper: str, shape: tuple) -> dict:
     return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, declaration.jits)),
             "source_hash": ",".join(map(introspect.source_hash, declaration.jits)), "choice": declaration.name,
             "tile": ",".join(declaration.tiles),
-            "shape": [list(pair) for pair in shape], **decisions.on_device(runtime.current_device())}
+            "shape": [list(pair) for pair in shape], **decision_cache.on_device(process.current_device())}
 
 
 def _as_stored(tiles: tuple) -> int | list[int]:

@@ -1,16 +1,16 @@
 """What smemguard does when a guarded launch raises ``OutOfResources``: recover it, or re-raise it.
 
-:func:`handle` (called by the engine, :mod:`smemguard.engine`, with the decisions of its install) resolves the
-launch (:mod:`smemguard.launch`), takes a decision once per failing compiled kernel (remembered from another
-process, :mod:`smemguard.decisions`, or found by trying candidates, :mod:`smemguard.ladder`; stored and recalled by
-:mod:`smemguard.recall`), writes the incident record
-(:mod:`smemguard.incidents`) and applies the decision. Concurrent threads meeting the same
+:func:`handle` (called by the engine, :mod:`smemguard.engine.core`, with the decisions of its install) resolves the
+launch (:mod:`smemguard.kernels.launch`), takes a decision once per failing compiled kernel (remembered from another
+process, :mod:`smemguard.store.decision_cache`, or found by trying candidates, :mod:`.ladder`; stored and recalled by
+:mod:`smemguard.engine.recall`), writes the incident record
+(:mod:`smemguard.store.incidents`) and applies the decision. Concurrent threads meeting the same
 failure wait for one decision under a lock and all apply it.
 
 Tile sizes of a plain ``@triton.jit`` kernel are never changed unless alternatives were
 registered for it: its grid was computed by the caller from them. Only launches whose every
 layer is understood are retried (Triton's JIT function, autotuner and heuristics, and the
-library layers described in :mod:`smemguard.layers`), because each of those launches exactly
+library layers described in :mod:`smemguard.kernels.tuners`), because each of those launches exactly
 one kernel and enqueues nothing before the check fails.
 
 Internal failures are logged and end in re-raising the user's error itself, never another one.
@@ -27,10 +27,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import decisions, incidents, introspect, ladder, recall, registry, runtime
-from .internal import Steps, StepFailed
-from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
-from .launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
+from ..facts import process
+from ..kernels import introspect, registry
+from ..kernels.launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
+from ..store import decision_cache, incidents
+from ..store.decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
+from . import ladder, recall
+from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,8 @@ class Decided:
         self._lock = threading.Lock()
 
     def case_for(self, launch: Launch, failing) -> _Case:
-        device = runtime.current_device()
-        key = (failing.hash, device, runtime.effective_limit(device), launch.tuning_key,
+        device = process.current_device()
+        key = (failing.hash, device, process.effective_limit(device), launch.tuning_key,
                registry.fallback_for(launch.jit))
         with self._lock:
             return self._cases.setdefault(launch.launched, {}).setdefault(key, _Case())
@@ -61,12 +64,6 @@ class Decided:
     def clear(self) -> None:
         with self._lock:
             self._cases.clear()
-
-
-def remembered_compile(jit, source, device: int, options, settings, *, launching: bool) -> dict | None:
-    """Option overrides remembered for the variant Triton is about to compile, or its refusal
-    (compile-time patch; :func:`smemguard.recall.remembered_compile`)."""
-    return recall.remembered_compile(jit, source, device, options, settings.cache_dir, launching=launching)
 
 
 def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
@@ -116,10 +113,10 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
     The store only saves work: when reading or writing it fails, the ladder decides and nothing is stored."""
     store = cases = decision = None
     with steps.skippable("open the decision store"):
-        store = decisions.store(settings.cache_dir)
+        store = decision_cache.store(settings.cache_dir)
     if store is not None:
         with steps.skippable("key the stored decisions"):
-            cases = decisions.cases_for(launch, failing)
+            cases = decision_cache.cases_for(launch, failing)
     if cases:
         with steps.skippable("recall a stored decision"):
             decision = recall.recall(launch, failing, cases, store)
@@ -176,7 +173,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
     """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
     ``again()`` runs the launch once more as it was asked (through every layer of the guarded call).
 
-    smemguard's own work runs inside the guard (:class:`~smemguard.internal.Steps`, and a last one
+    smemguard's own work runs inside the guard (:class:`~smemguard.engine.steps.Steps`, and a last one
     around all of it); what it decides to run (the relaunch, the user's fallback) runs outside it, so
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
@@ -188,7 +185,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
     steps = Steps(_layer_name(launched))
     launch = failing = None
     try:
-        with runtime.engine_compiling.scope():  # the variants it compiles are measured as they are
+        with process.engine_compiling.scope():  # the variants it compiles are measured as they are
             with steps.required("resolve the launch"):
                 launch = resolve(launched, grid, args, kwargs)
             if launch is not None:
@@ -212,7 +209,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
 def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided: Decided,
                       stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
-    another config (:func:`smemguard.recall.remembered_compile`). Applied here with one compile, the
+    another config (:func:`smemguard.engine.recall.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
     or a step of it fails, the launch runs again as asked, compiling the variant, and a failure of
     that is recovered like any other."""
@@ -291,7 +288,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
 
 
 def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:
-    """Whether a wrapper declared with :mod:`smemguard.wrapper_tiles` chose these tiles in the call running on this
+    """Whether a wrapper declared with :mod:`.wrapper_tiles` chose these tiles in the call running on this
     thread: it then runs again with smaller ones and records the outcome (one record per call, not two)."""
     from . import wrapper_tiles  # imported by the declaring library, never on a healthy launch's path
 

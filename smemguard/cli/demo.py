@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import files, gpus, runtime, untrusted
-from ._version import __version__
+from .._version import __version__
+from ..facts import files, gpus, process, untrusted
 
 
 def _step(text: str) -> float:
@@ -51,7 +51,7 @@ class DemoScenario:
 
 
 def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
-    """The demo's configs for ``gpu`` (any GPU of :mod:`smemguard.gpus`); the tests run each.
+    """The demo's configs for ``gpu`` (any GPU of :mod:`smemguard.facts.gpus`); the tests run each.
 
     From sm_80 on, Triton multi-buffers the operand tiles in shared memory through asynchronous
     copies, which need 16-byte-aligned pointers: tuned on misaligned views, the 5-stage winner
@@ -86,7 +86,7 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
 
 def run(gpu_name: str, settings) -> int:
     """``smemguard demo --gpu GPU_NAME`` under ``settings``; returns the exit status."""
-    with runtime.quiet_triton():
+    with process.quiet_triton():
         return _run(gpu_name, settings)
 
 
@@ -98,7 +98,7 @@ def _run(gpu_name: str, settings) -> int:
         return 2
     import torch
 
-    from .examples import autotuned_matmul, tiled_grid
+    from ..examples import autotuned_matmul, tiled_grid
 
     scenario = demo_scenario(gpu)
     n, dtype = 512, {"fp16": torch.float16, "fp32": torch.float32}[scenario.dtype]
@@ -119,7 +119,7 @@ def _why_no_demo(gpu_name: str, gpu: gpus.Gpu | None) -> str | None:
     if gpu is None:
         return f"{gpu_name!r} is not a GPU from 'smemguard gpus'; one of: {', '.join(gpus.names())}"
     if gpu.backend == "hip":
-        from .preflight.compiling import hip_compile_problem
+        from ..preflight.compiling import hip_compile_problem
 
         problem = hip_compile_problem()
         if problem is not None:
@@ -130,7 +130,7 @@ def _why_no_demo(gpu_name: str, gpu: gpus.Gpu | None) -> str | None:
 def _print_header(gpu: gpus.Gpu, settings) -> None:
     import triton
 
-    from .settings import MAX_SHARED
+    from ..facts.settings import MAX_SHARED
 
     memory = "of shared memory per block" if gpu.backend == "cuda" else "of LDS (shared memory) per workgroup"
     print(f"smemguard {__version__} demo: Triton {triton.__version__} compiles for a stand-in {gpu.name} "
@@ -142,14 +142,14 @@ def _print_header(gpu: gpus.Gpu, settings) -> None:
 
 def _launcher(tuned, grid, a, b, c) -> Callable[[], object]:
     """The matmul launch of ``a @ b`` into ``c``, made again under each stand-in GPU in turn."""
-    from .examples import matmul_args
+    from ..examples import matmul_args
 
     return lambda: tuned[grid](*matmul_args(a, b, c))
 
 
 def _autotune_where_tuned(scenario: DemoScenario, n: int, launch: Callable[[], object], elsewhere: bool) -> None:
     """Step 1: the autotuner chooses the scenario's big config on the GPU it tunes on."""
-    from .testing import fake_gpu
+    from ..testing import fake_gpu
 
     big = scenario.configs[0]
     views = "misaligned views" if scenario.misaligned else "16-byte-aligned tensors"
@@ -169,10 +169,11 @@ def _autotune_where_tuned(scenario: DemoScenario, n: int, launch: Callable[[], o
 def _overflow_then_recover(gpu: gpus.Gpu, settings, launch: Callable[[], object], elsewhere: bool) -> int:
     """Steps 2 to 4 on the stand-in ``gpu``: the winner overflows, then smemguard recovers it; prints
     the incident record and returns the exit status."""
-    import smemguard
     from triton.runtime.errors import OutOfResources
 
-    from .testing import fake_gpu
+    import smemguard
+
+    from ..testing import fake_gpu
 
     with fake_gpu(gpu.name) as device, tempfile.TemporaryDirectory(prefix="smemguard-demo-") as scratch:
         what = f"on the {gpu.name} (the autotuner keeps its choice)" if elsewhere else "with 16-byte-aligned tensors"
@@ -201,7 +202,7 @@ def _install_in_memory(settings, incidents: Path) -> bool:
     """Installs smemguard logging to ``incidents``; False (and why, on stderr) when it refuses."""
     import smemguard
 
-    from .settings import SettingsError
+    from ..facts.settings import SettingsError
 
     try:  # decisions stay in memory: the stand-in's must never reach the host's decision cache
         smemguard.install(dataclasses.replace(settings, max_shared=None, max_shared_label=None, cache_dir=None,
@@ -216,7 +217,7 @@ def _launch_guarded(settings, launch: Callable[[], object], device) -> None:
     """Steps 3 and 4: the overflowing launch with smemguard installed, then once more."""
     from triton.runtime.errors import OutOfResources
 
-    from .settings import MODE
+    from ..facts.settings import MODE
 
     started = _step(f"3. the same launch with smemguard installed ({MODE}={settings.mode})")
     try:
@@ -233,7 +234,7 @@ def _launch_guarded(settings, launch: Callable[[], object], device) -> None:
 
 
 def _print_record(record: dict | None, incidents: Path, settings) -> None:
-    from .settings import MODE
+    from ..facts.settings import MODE
 
     if record is None:
         print(f"\nno incident record ({MODE}=off)" if not settings.enabled else

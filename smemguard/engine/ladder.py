@@ -17,13 +17,13 @@ kernel is never launched to find out whether it fits):
    other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
    code and its speed, never whether it fits (``waves_per_eu`` and ``kpack`` change no byte of
    LDS, ``matrix_instr_nonkdim`` under 1 KiB of gfx950's padding: ``benchmarks/amd_lds_sweep.py``).
-   The candidates still wanted are compiled together (:func:`smemguard.launch.try_compile_all`);
+   The candidates still wanted are compiled together (:func:`smemguard.kernels.launch.try_compile_all`);
 3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
-4. otherwise nothing: the original error is re-raised (:mod:`smemguard.recovery`).
+4. otherwise nothing: the original error is re-raised (:mod:`smemguard.engine.recovery`).
 
 Where the failing launch's measured bytes lie inside the calibrated envelope of a matmul with
-its tiles (:func:`smemguard.estimate.envelope`), the estimate steers both rungs: a candidate
-whose one stage of tiles alone is :data:`~smemguard.estimate.ESTIMATE_MARGIN` over the limit is
+its tiles (:func:`smemguard.kernels.estimate.envelope`), the estimate steers both rungs: a candidate
+whose one stage of tiles alone is :data:`~smemguard.kernels.estimate.ESTIMATE_MARGIN` over the limit is
 not compiled, and a measurement that is exactly S stages of tiles gives the stage count that fits
 at once. Only a compile says that a candidate fits.
 """
@@ -38,10 +38,11 @@ import re
 import time
 from dataclasses import dataclass
 
-from . import estimate, introspect, knobs, registry, runtime
-from .decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
+from ..facts import process
+from ..kernels import estimate, introspect, parameters, registry
+from ..kernels.launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
+from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from .candidates import MAX_CANDIDATES, fewer_warps, next_stage_count, variant
-from .launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ RACE = 3
 #: Batches of candidates compiled only to find rivals for a candidate that already fits: racing is
 #: worth one concurrent batch, not a search through every config that overflows.
 RACE_BATCHES = 1
+
 
 def _is_tile(name: str, value) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)
@@ -73,7 +75,7 @@ class _Measured:
     skipped: list = dataclasses.field(default_factory=list)  # config texts not compiled, and why
     stages_inert: str = ""  # why fewer stages were given up: they did not lower the bytes, or cannot
     # False where num_stages changes no byte: no software pipeliner before sm_80, or no loop of the kernel
-    # follows the option or a pipeline-depth parameter (smemguard.knobs).
+    # follows the option or a pipeline-depth parameter (smemguard.kernels.parameters).
     stages_matter: bool = True
     pinned: str = ""  # the tuner's pruner keeps a single config: which, and whose pruner
     # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
@@ -84,7 +86,7 @@ class _Measured:
     def of(cls, launch: Launch, failing, error) -> "_Measured":
         measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
         arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
-        futile = knobs.knobs_of(launch.jit).stages_futile()
+        futile = parameters.knobs_of(launch.jit).stages_futile()
         if arch is not None and not estimate.stages_change_bytes(arch, None):
             futile = "Triton pipelines nothing before sm_80, stages change no byte"
         if futile:
@@ -97,7 +99,7 @@ class _Measured:
         # Trusted for this kernel only when its own measurement is what a calibrated matmul's would be, and
         # its loops' depth is the option's (the calibration's).
         if (own is not None and error.required is not None and own.holds(error.required)
-                and not knobs.knobs_of(launch.jit).writes_depth()):
+                and not parameters.knobs_of(launch.jit).writes_depth()):
             measured.estimated = (arch, pointer_types)
         return measured
 
@@ -149,7 +151,7 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
             yield ("num_warps", warps, *try_compile(launch, f"num_warps={warps}", num_warps=warps))
         return
     # A pipeline-depth parameter deeper than the option is the depth its loops run at (it is lowered with the option).
-    last_stages = max(failing.metadata.num_stages, knobs.knobs_of(launch.jit).depth(launch.named_args()))
+    last_stages = max(failing.metadata.num_stages, parameters.knobs_of(launch.jit).depth(launch.named_args()))
     last_bytes = error.required
     counts = "1" if last_stages == 2 else f"1 to {last_stages - 1}"
     if not measured.stages_matter and last_stages > 1:
@@ -178,7 +180,7 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
         if following is None:
             measured.stages_inert = (f"fewer stages did not lower the shared memory ({last_bytes} B at "
                                      f"{last_stages} stages, {attempt.required} B at {stages})")
-            fixed = knobs.knobs_of(launch.jit).fixed_text()
+            fixed = parameters.knobs_of(launch.jit).fixed_text()
             if fixed:
                 measured.stages_inert += f"; loops that set their own num_stages: {fixed}"
             return
@@ -200,6 +202,7 @@ def _constexprs(launch: Launch) -> dict:
 
 #: The element type of a pointer (``*fp16``) or of a TMA descriptor (``tensordesc<fp16[64, 64]>``) argument.
 _OPERAND_TYPE = re.compile(r"^(?:\*|tensordesc<)(\w+)")
+
 
 def _stage_elements(config) -> int | None:
     """BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N: the elements one pipeline stage of a matmul-like config holds."""
@@ -245,7 +248,7 @@ def _candidate_configs(launch: Launch, reference, measured: _Measured):
     only that config's fewer stages remain.
     """
     limit, stages_matter = measured.limit, measured.stages_matter
-    timings = runtime.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
+    timings = process.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
     allowed = allowed_configs(launch)
     if launch.tuner is not None and len(allowed) == 1 < len(launch.tuner.configs):
         measured.pinned = (f"the tuner's pruner {introspect.callable_name(launch.tuner.early_config_prune)} pins "
@@ -266,7 +269,7 @@ def _candidate_configs(launch: Launch, reference, measured: _Measured):
 
 
 def takes_variants(launch: Launch) -> bool:
-    """Whether a config outside the tuner's own list can be adopted (see :class:`smemguard.layers.Tuner`)."""
+    """Whether a config outside the tuner's own list can be adopted (see :class:`smemguard.kernels.tuners.Tuner`)."""
     return launch.tuner_kind is None or launch.tuner_kind.takes_variants
 
 
@@ -274,8 +277,8 @@ def option_variant(launch: Launch, config, **options):
     """:func:`variant`, with the parameters that follow ``options`` lowered as :meth:`Launch.compile` does."""
     changed = variant(config, **options)
     try:
-        following = knobs.knobs_of(launch.jit).lowered_with(options, config.kwargs)
-    except knobs.OptionIsAParameter:  # compiling it says so
+        following = parameters.knobs_of(launch.jit).lowered_with(options, config.kwargs)
+    except parameters.OptionIsAParameter:  # compiling it says so
         following = {}
     if following:
         changed.kwargs = {**config.kwargs, **following}
@@ -284,7 +287,7 @@ def option_variant(launch: Launch, config, **options):
 
 def _stage_count(launch: Launch, config) -> int:
     """The deepest pipeline ``config`` asks for: its option, or a pipeline-depth parameter it sets deeper."""
-    return max(config.num_stages or 0, knobs.knobs_of(launch.jit).depth(config.kwargs))
+    return max(config.num_stages or 0, parameters.knobs_of(launch.jit).depth(config.kwargs))
 
 
 def allowed_configs(launch: Launch) -> list:

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from . import untrusted
+from ..facts import untrusted
 
 #: The folder ``smemguard run`` prepends to ``PYTHONPATH``; its ``sitecustomize`` installs smemguard.
-BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+BOOTSTRAP = Path(__file__).resolve().parent.parent / "bootstrap"
 
 HELP = "run a program with every Python process it starts guarded (no code change)"
 
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         print(f"usage: {USAGE}\nsmemguard run: unknown option {untrusted.printable(command[0])}; "
               "put the command after --", file=sys.stderr)
         return 2
-    from . import settings
+    from ..facts import settings
 
     # Passed on as it is, but for PYTHONPATH; off: install nothing, not even the sitecustomize.
     environ = environment(os.environ) if settings.load().enabled else os.environ

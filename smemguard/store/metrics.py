@@ -2,7 +2,7 @@
 same series counted from incident files (``smemguard report --format prometheus``).
 
 Every series is derived from an incident record (:func:`labels_of`, its label fields those
-``smemguard.incidents.FIELDS`` gives metrics), so the three agree:
+``smemguard.store.incidents.FIELDS`` gives metrics), so the three agree:
 
 * ``smemguard_incidents_total{kernel, resource, action, gpu}``: records written;
 * ``smemguard_recovery_seconds{kernel}``: histogram of the records' ``recovery_ms``;
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from . import files, incidents, runtime
-from ._version import __version__
+from .._version import __version__
+from ..facts import files, process
+from . import incidents
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def _live_series():
             _live = _Live(client)
         except ValueError as error:  # a name already registered by someone else
             _live = False
-            runtime.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s",
+            process.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s",
                               error)
     return _live or None
 
@@ -244,7 +245,7 @@ def configure(settings) -> None:
             _settings = settings
             _textfile = settings.metrics_file if settings is not None else None
             if _textfile is not None and importlib.util.find_spec("prometheus_client") is None:
-                runtime.warn_once(log, ("metrics", "client"),
+                process.warn_once(log, ("metrics", "client"),
                                   "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
                                   "installed; no metrics are written. Fix: pip install 'smemguard[metrics]'",
                                   _textfile)
@@ -257,14 +258,14 @@ def configure(settings) -> None:
 
         wrapt.register_post_import_hook(_publish_info, "prometheus_client")
     except Exception:  # metrics are never the reason smemguard does not install
-        runtime.warn_once(log, ("metrics", "configure"), "smemguard: could not set up its Prometheus metrics",
+        process.warn_once(log, ("metrics", "configure"), "smemguard: could not set up its Prometheus metrics",
                           exc_info=True)
 
 
 def _publish_info(_module=None) -> None:
     """``smemguard_info`` 1 for the installed guard's settings, none when not installed. Never raises."""
     global _info_labels
-    from . import runtime
+    from ..facts import process
 
     try:
         with _lock:
@@ -277,10 +278,10 @@ def _publish_info(_module=None) -> None:
                 _info_labels = None
             if _settings is not None:
                 limit = str(_settings.max_shared) if _settings.max_shared is not None else "device"
-                _info_labels = (__version__, runtime.triton_version(), _settings.mode, limit)
+                _info_labels = (__version__, process.triton_version(), _settings.mode, limit)
                 live.info.labels(*_info_labels).set(1)
     except Exception:
-        runtime.warn_once(log, ("metrics", "info"), "smemguard: could not publish smemguard_info", exc_info=True)
+        process.warn_once(log, ("metrics", "info"), "smemguard: could not publish smemguard_info", exc_info=True)
 
 
 def count(record: dict) -> None:
@@ -293,16 +294,16 @@ def count(record: dict) -> None:
             if _textfile is not None and _client() is not None:
                 _update_textfile(_textfile, record)
     except Exception:
-        runtime.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics",
+        process.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics",
                           exc_info=True)
 
 
 def _update_textfile(path: Path, record: dict) -> None:
     """Add ``record`` to the textfile: read, add and replace it atomically under an exclusive lock
-    (``.<name>.lock`` beside it, :mod:`smemguard.files`), so a reader never sees half a file and
+    (``.<name>.lock`` beside it, :mod:`smemguard.facts.files`), so a reader never sees half a file and
     concurrent writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
     global _last_written
-    if runtime.warned(("metrics", str(path))):
+    if process.warned(("metrics", str(path))):
         return
     try:
         files.make_directory(path.parent)
@@ -314,7 +315,7 @@ def _update_textfile(path: Path, record: dict) -> None:
             files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
             _last_written = (path, text, tally)
     except OSError as error:
-        runtime.warn_once(log, ("metrics", str(path)),
+        process.warn_once(log, ("metrics", str(path)),
                           "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
                           "SMEMGUARD_METRICS_FILE at a writable file.", path, error.strerror or error)
 

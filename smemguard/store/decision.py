@@ -16,7 +16,7 @@ CONFIG_CHANGED = "config_changed"
 FALLBACK = "fallback"
 RERAISED = "reraised"
 OBSERVED = "observed"
-#: torch.compile kernels (:mod:`smemguard.inductor`): smaller blocks of a kernel whose grid follows them.
+#: torch.compile kernels (:mod:`smemguard.engine.inductor`): smaller blocks of a kernel whose grid follows them.
 BLOCKS_REDUCED = "blocks_reduced"
 #: Smaller tiles chosen where the tiles are chosen: FlexAttention configs before Inductor renders them
 #: (:mod:`smemguard.patches.inductor_flex_configs`), a wrapper's own tile choice (:mod:`smemguard.patches._tile_choice`;
@@ -33,7 +33,7 @@ OPTION_ONLY = (STAGES_REDUCED, WARPS_REDUCED)
 @dataclass(frozen=True)
 class Decision:
     action: str
-    attempts: tuple  # smemguard.launch.Attempt, the failing launch first
+    attempts: tuple  # smemguard.kernels.launch.Attempt, the failing launch first
     config: Any = None  # the tuner config chosen (CONFIG_CHANGED)
     fallback: Callable[..., Any] | None = None
     final: str | None = None  # the config that runs now

@@ -44,10 +44,12 @@ from typing import Any, Callable
 
 import wrapt
 
-from . import introspect, runtime, wrapper_outcomes
-from .decision import SHARED
-from .internal import StepFailed, Steps
-from .launch import Attempt
+from ..facts import process
+from ..kernels import introspect
+from ..kernels.launch import Attempt
+from ..store.decision import SHARED
+from . import wrapper_outcomes
+from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +158,10 @@ class _Declaration:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
 
     def _key(self, wrapper: str, shape: tuple) -> tuple:
-        device = runtime.current_device()
+        device = process.current_device()
         limit = self._limits.get(device)
         if limit is None:  # fixed while installed (an emulated limit is a setting): read once per device
-            limit = self._limits[device] = runtime.effective_limit(device)
+            limit = self._limits[device] = process.effective_limit(device)
         return (wrapper, device, limit, shape)
 
     def _learnt(self, wrapper: str, shape: tuple) -> tuple | None:
@@ -346,7 +348,7 @@ def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> C
 
         @functools.wraps(wrapper)
         def rerunnable(*args, **kwargs):
-            settings = runtime.installed_settings()
+            settings = process.installed_settings()
             if settings is None or settings.observe_only:
                 return wrapper(*args, **kwargs)
             if _tiles_in_use is not False and _in_use(settings):

@@ -23,10 +23,12 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from . import decisions, gpus, incidents, introspect, untrusted
+from ..facts import gpus, untrusted
+from ..facts.settings import Settings
+from ..facts.untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
+from ..kernels import introspect
+from ..store import decision_cache, incidents
 from .report import Problems, Record, read
-from .settings import Settings
-from .untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
 
 
 class ReplayError(Exception):
@@ -103,7 +105,7 @@ DESCRIPTOR = {"base": OBJECT, "shape": _bounded_list(MAX_EXTENT), "strides": _bo
 _SCALAR = Expect("a number (a 64-bit integer), true/false, text or null", lambda value: SCALAR.test(value) and (
     not isinstance(value, int) or -MAX_INT - 1 <= value <= MAX_INT))
 
-#: How replay checks each field it reads from a record; smemguard.incidents.FIELDS says which a record must have.
+#: How replay checks each field it reads from a record; smemguard.store.incidents.FIELDS says which a record must have.
 #: ``args`` entries are checked by :func:`_argument_problems`.
 CHECKS = {
     "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
@@ -111,9 +113,9 @@ CHECKS = {
     "constexprs": Expect("an object of constexpr values (64-bit integers, numbers, text, true/false or null)",
                          lambda value: isinstance(value, dict) and all(_SCALAR.test(v) for v in value.values())),
     "grid": _bounded_list(MAX_GRID, 0, range(1, 4)),
-    "num_warps": Expect(f"a power of two from 1 to {decisions.MAX_WARPS}",
-                        lambda value: decisions.power_of_two(value, decisions.MAX_WARPS)),
-    "num_stages": _bounded(decisions.MAX_STAGES),
+    "num_warps": Expect(f"a power of two from 1 to {decision_cache.MAX_WARPS}",
+                        lambda value: decision_cache.power_of_two(value, decision_cache.MAX_WARPS)),
+    "num_stages": _bounded(decision_cache.MAX_STAGES),
     "config": TEXT,
     "action": NAME,
     "resource": NAME,
@@ -378,11 +380,11 @@ def _show_attempts(incident: dict | None, say) -> None:
 def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
     from triton.runtime.errors import OutOfResources
 
-    from .testing import fake_gpu
+    from ..testing import fake_gpu
 
     arch = record["device"]["arch"]
     if isinstance(arch, str):
-        from .preflight.compiling import hip_compile_problem
+        from ..preflight.compiling import hip_compile_problem
 
         problem = hip_compile_problem()
         if problem is not None:

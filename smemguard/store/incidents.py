@@ -11,17 +11,18 @@ re-raised error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
-import dataclasses
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import files, introspect, runtime
+from ..facts import files, process
+from ..kernels import introspect
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ NEEDED, READ, LABEL, SHOWN = "needed", "read", "label", "shown"
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One field of the incident record: who writes it, and how ``smemguard report``, ``smemguard replay`` and the
-    Prometheus series (:mod:`smemguard.metrics`) take it (None: not at all)."""
+    Prometheus series (:mod:`smemguard.store.metrics`) take it (None: not at all)."""
 
     name: str
     written_by: tuple[str, ...]
@@ -134,7 +135,7 @@ def required_and_optional(reader: str, checks: dict) -> tuple[dict, dict]:
     needed, declared = fields_read_by(reader, NEEDED), set(fields_read_by(reader, NEEDED, READ))
     if set(checks) != declared:
         raise ValueError(f"smemguard {reader} checks {sorted(set(checks) - declared)} beyond the fields "
-                         f"smemguard.incidents.FIELDS gives it, and lacks checks of {sorted(declared - set(checks))}")
+                         f"incidents.FIELDS gives it, and lacks checks of {sorted(declared - set(checks))}")
     return ({name: check for name, check in checks.items() if name in needed},
             {name: check for name, check in checks.items() if name not in needed})
 
@@ -144,7 +145,7 @@ def new_record(kernel: str) -> dict:
     ``verified: false`` and the ``unverified`` patches when some patch applied above its newest checked release."""
     record = {"schema": SCHEMA, "time": time.strftime(TIME_FORMAT), "pid": os.getpid(), "host": host(),
               "rank": rank(), "kernel": kernel}
-    unverified = runtime.unverified_patches()
+    unverified = process.unverified_patches()
     if unverified:  # some patch of this process runs on a release newer than any it was checked against
         record.update(verified=False, unverified=unverified)
     return record
@@ -153,8 +154,8 @@ def new_record(kernel: str) -> dict:
 def overflow_fields(device: int, resource: str, required, limit_hit) -> dict:
     """The fields every record of an overflow carries after :func:`new_record`'s: Triton, the device, the
     limits (the device's own and the emulated one), and what did not fit."""
-    return {"triton": runtime.triton_version(), "device": runtime.device_description(device),
-            "limit": {"device": runtime.device_limit(device), "emulated": runtime.emulated_limit()},
+    return {"triton": process.triton_version(), "device": process.device_description(device),
+            "limit": {"device": process.device_limit(device), "emulated": process.emulated_limit()},
             "resource": resource, "required": required, "limit_hit": limit_hit}
 
 
@@ -168,7 +169,7 @@ class Incident:
     kernel: str
     launched_as: str
     phase: str  # "launch" (Triton raised at the launch) or "compile" (found before anything loaded)
-    action: str  # one of smemguard.decision.ACTIONS
+    action: str  # one of smemguard.store.decision.ACTIONS
     final: str | None
     resource: str
     required: Any
@@ -283,7 +284,7 @@ def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> s
 
     where = write(record, path)
     metrics.count(record)
-    runtime.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")
+    process.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")
     log.debug("smemguard incident: %s", record)
     return where
 
@@ -314,9 +315,9 @@ def record_launch(launch, launched, failing, error, decision, started: float, lo
 
 
 def _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase):
-    from .launch import describe
+    from ..kernels.launch import describe
 
-    device = runtime.current_device()
+    device = process.current_device()
     kernel = introspect.kernel_name(launch.jit if launch is not None else launched)
     extras: dict[str, Any] = {
         # Wall-clock time: compiles that ran concurrently are counted once.

@@ -9,10 +9,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from . import incidents, untrusted
-from .incidents import TIME_FORMAT
-from .untrusted import NAME, NUMBER, TEXT, Expect, printable
-
+from ..facts import untrusted
+from ..facts.untrusted import NAME, NUMBER, TEXT, Expect, printable
+from ..store import incidents
+from ..store.incidents import TIME_FORMAT
 
 #: The lines not fully used that are named one by one, over all the files read; the others are only counted: a file
 #: of a million bad lines gives a screenful, and nothing is kept per line.
@@ -135,7 +135,7 @@ DEVICE_FIELDS = {"name": TEXT.or_null(), "backend": TEXT, "arch": Expect("an int
 SCHEMA = Expect(f"{incidents.SCHEMA}, the schema this smemguard reads", lambda value: (
     untrusted.integer().test(value) and value == incidents.SCHEMA))
 
-#: How the report checks each field it reads; smemguard.incidents.FIELDS says which a record must have. Without a
+#: How the report checks each field it reads; smemguard.store.incidents.FIELDS says which a record must have. Without a
 #: required one a line is not an incident record the report can count; a wrong optional one is left out of the
 #: report (and listed), the record counted.
 CHECKS = {
@@ -257,8 +257,8 @@ def format_table(rows: list[Row]) -> str:
 
 
 def format_prometheus(records: Iterable[Record], kernel: str | None = None, since: datetime | None = None) -> str:
-    """The series smemguard exports (:mod:`smemguard.metrics`; all but ``smemguard_info``, which
+    """The series smemguard exports (:mod:`smemguard.store.metrics`; all but ``smemguard_info``, which
     records do not carry), counted from the records that pass the filters of :func:`summarize`."""
-    from .metrics import Tally
+    from ..store.metrics import Tally
 
     return Tally.of(record for record, _ in _selected(records, kernel, since)).exposition()

@@ -72,7 +72,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-
 #: Bytes per element of each Triton scalar type a pointer can point to.
 ELEMENT_BYTES = {"fp8e4nv": 1, "fp8e5": 1, "fp8e4b15": 1, "fp8e4b8": 1, "fp8e5b16": 1, "i8": 1, "u8": 1,
                  "fp16": 2, "bf16": 2, "i16": 2, "u16": 2, "fp32": 4, "i32": 4, "u32": 4, "fp64": 8, "i64": 8,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import runtime
-from .settings import Settings
+from ..facts import process
+from ..facts.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,11 @@ class Engine:
 
     def remembered_compile(self, jit, source, device, options, *, launching: bool):
         """Option overrides remembered for the variant Triton is about to compile, or its stored refusal."""
-        from . import recovery
+        from . import recall
 
         if self.closed:
             return None
-        return recovery.remembered_compile(jit, source, device, options, self.settings, launching=launching)
+        return recall.remembered_compile(jit, source, device, options, self.settings.cache_dir, launching=launching)
 
     def on_warmup(self, kernel, grid, args, kwargs, compiled):
         """The kernel a warm-up hands back: a replacement decided now when ``compiled`` does not fit."""
@@ -55,11 +55,11 @@ class Engine:
 
         if self.closed:
             return compiled
-        with runtime.engine_compiling.scope():
+        with process.engine_compiling.scope():
             return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, self.settings, self.decided)
 
     def on_compiled(self, compile_fn, args, kwargs, kernel):
-        """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`smemguard.compile_fit`)."""
+        """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`.compile_fit`)."""
         from . import compile_fit
 
         return kernel if self.closed else compile_fit.fit(compile_fn, args, kwargs, kernel, self.settings)
@@ -72,11 +72,11 @@ class Engine:
         if self.closed:
             return None
         try:
-            with runtime.engine_compiling.scope():
+            with process.engine_compiling.scope():
                 return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs,
                                                                                    self.settings)
         except Exception:
-            runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a "
+            process.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a "
                               "torch.compile kernel; Inductor's own error is raised (smemguard's bug: please report "
                               "it)", exc_info=True)
             return None
@@ -88,10 +88,10 @@ class Engine:
         if self.closed:
             return
         try:
-            with runtime.engine_compiling.scope():
+            with process.engine_compiling.scope():
                 inductor.load_remembered(autotuner, self.settings)
         except Exception:
-            runtime.warn_once(log, ("inductor", "internal"), "smemguard: internal error while applying a stored "
+            process.warn_once(log, ("inductor", "internal"), "smemguard: internal error while applying a stored "
                               "decision to a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: "
                               "please report it)", exc_info=True)
 
@@ -100,7 +100,7 @@ class Engine:
         caches, and what declared wrappers learnt."""
         self.closed = True
         self.decided.clear()
-        runtime.drop_replacements()
-        wrapper_tiles = sys.modules.get("smemguard.wrapper_tiles")  # imported only by a library that declares
+        process.drop_replacements()
+        wrapper_tiles = sys.modules.get("smemguard.engine.wrapper_tiles")  # imported only by a library that declares
         if wrapper_tiles is not None:
             wrapper_tiles.forget()

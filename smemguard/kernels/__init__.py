@@ -1,0 +1,3 @@
+"""Reading kernels and their launches: a kernel's ``.fn`` chain and names, the tuners and entry layers smemguard
+understands, what users register, what each constexpr parameter does, a failed launch resolved, compiled and
+checked, the autotune pruner and the shared-memory estimate. Imports only ``facts``."""

@@ -1,0 +1,62 @@
+"""The module paths of 0.1 still import for one release: the same module object as the new path, with a
+DeprecationWarning naming it; and the folders are the layers (no module imports a folder above its own)."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import smemguard
+from smemguard import _moved
+
+PACKAGE = Path(smemguard.__file__).parent
+#: Each folder may import its own modules and those of the folders before it.
+LAYERS = ["facts", "kernels", "store", "engine", "patches"]
+
+
+@pytest.mark.parametrize("old, new", sorted(_moved.MOVED.items()))
+def test_an_old_path_is_the_new_module_with_a_warning(old, new):
+    script = (f"import warnings; warnings.simplefilter('always')\n"
+              f"import smemguard.{new} as new\n"
+              f"with warnings.catch_warnings(record=True) as caught:\n"
+              f"    from smemguard import {old} as old\n"
+              f"print(old is new, [str(w.message) for w in caught if w.category is DeprecationWarning])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    warning = f"smemguard.{old} is now smemguard.{new}; the old path goes in the next release"
+    assert done.stdout.strip() == f"True [{warning!r}]"
+    assert not (PACKAGE / f"{old}.py").exists()
+
+
+def test_a_name_no_module_had_still_fails_to_import():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("smemguard.no_such_module")
+
+
+def _imported_folders(path: Path) -> set[str]:
+    """The top folders of smemguard that the module at ``path`` imports (relative or absolute)."""
+    folders = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = path.parent.relative_to(PACKAGE).parts
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                parts = [*base, *(node.module.split(".") if node.module else [])]
+            elif (node.module or "").startswith("smemguard."):
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            names = [parts[0]] if parts else [alias.name for alias in node.names]
+            folders |= {name for name in names if name in LAYERS}
+    return folders
+
+
+@pytest.mark.parametrize("folder", LAYERS)
+def test_a_folder_imports_only_its_own_and_the_folders_below(folder):
+    allowed = set(LAYERS[:LAYERS.index(folder) + 1])
+    above = {str(path.relative_to(PACKAGE)): sorted(_imported_folders(path) - allowed)
+             for path in sorted((PACKAGE / folder).glob("*.py"))}
+    assert {path: folders for path, folders in above.items() if folders} == {}
