@@ -1,4 +1,4 @@
-"""The incident record is declared once (store.incidents.FIELDS): its writers, its readers (report, replay, the
+"""The incident record is declared once (store.record_fields.FIELDS): its writers, its readers (report, replay, the
 metrics) and docs/INCIDENTS.md all name the same fields, so a field added to one of them alone fails here."""
 
 import ast
@@ -10,7 +10,8 @@ import pytest
 import smemguard
 from smemguard.store import incidents, metrics
 from smemguard.cli import replay, report
-from smemguard.store.incidents import FIELDS, LABEL, NEEDED, READ, SHOWN
+from smemguard.store import record_fields
+from smemguard.store.record_fields import FIELDS, LABEL, NEEDED, READ, SHOWN
 
 PACKAGE = Path(smemguard.__file__).parent
 DOCS = PACKAGE.parent / "docs" / "INCIDENTS.md"
@@ -18,15 +19,15 @@ DECLARED = {field.name for field in FIELDS}
 READERS = {"report": report, "replay": replay, "metrics": metrics}
 #: Where each source builds its own fields (``extras``).
 SOURCES = {
-    incidents.LAUNCH: "store/incidents.py",
-    incidents.COMPILE: "engine/compile_fit.py",
-    incidents.INDUCTOR: "engine/inductor.py",
-    incidents.FLEX: "patches/inductor_flex_configs.py",
-    incidents.PATCHED_WRAPPER: "patches/_tile_choice.py",
-    incidents.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
-    incidents.DEEPGEMM: "patches/deepgemm_metadata.py",
+    record_fields.LAUNCH: "store/incidents.py",
+    record_fields.COMPILE: "engine/compile_fit.py",
+    record_fields.INDUCTOR: "engine/inductor.py",
+    record_fields.FLEX: "patches/inductor_flex_configs.py",
+    record_fields.PATCHED_WRAPPER: "patches/_tile_choice.py",
+    record_fields.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
+    record_fields.DEEPGEMM: "patches/deepgemm_metadata.py",
 }
-COMMON = (incidents.EVERY, incidents.WHILE_UNVERIFIED, incidents.TRITON)
+COMMON = (record_fields.EVERY, record_fields.WHILE_UNVERIFIED, record_fields.TRITON)
 
 
 def documented_fields() -> list[str]:
@@ -43,7 +44,7 @@ def documented_fields() -> list[str]:
 
 
 def declared_for(reader: str) -> set[str]:
-    return set(incidents.fields_read_by(reader, NEEDED, READ, LABEL, SHOWN))
+    return set(record_fields.fields_read_by(reader, NEEDED, READ, LABEL, SHOWN))
 
 
 def _is_a_record(node: ast.AST) -> bool:
@@ -99,8 +100,8 @@ def test_the_docs_tables_name_exactly_the_declared_fields():
 @pytest.mark.parametrize("reader", ["report", "replay"])
 def test_a_readers_checks_are_of_the_fields_declared_for_it(reader):
     module = READERS[reader]
-    assert set(module.REQUIRED) == set(incidents.fields_read_by(reader, NEEDED))
-    assert set(module.OPTIONAL) == set(incidents.fields_read_by(reader, READ))
+    assert set(module.REQUIRED) == set(record_fields.fields_read_by(reader, NEEDED))
+    assert set(module.OPTIONAL) == set(record_fields.fields_read_by(reader, READ))
     assert list(module.CHECKS) == [*module.REQUIRED, *module.OPTIONAL]  # the order problems are listed in
 
 
@@ -108,13 +109,13 @@ def test_a_readers_checks_are_of_the_fields_declared_for_it(reader):
 def test_a_check_beyond_the_declaration_or_a_declared_field_unchecked_is_refused(reader):
     checks = READERS[reader].CHECKS
     with pytest.raises(ValueError, match="beyond the fields"):
-        incidents.required_and_optional(reader, {**checks, "not_declared": checks["kernel"]})
+        record_fields.required_and_optional(reader, {**checks, "not_declared": checks["kernel"]})
     with pytest.raises(ValueError, match=r"lacks checks of \['kernel'\]"):
-        incidents.required_and_optional(reader, {name: check for name, check in checks.items() if name != "kernel"})
+        record_fields.required_and_optional(reader, {name: check for name, check in checks.items() if name != "kernel"})
 
 
 def test_the_metrics_labels_are_the_fields_declared_as_labels_in_the_series_order():
-    assert metrics.LABEL_FIELDS == incidents.fields_read_by("metrics", LABEL) == ("kernel", "resource", "action",
+    assert metrics.LABEL_FIELDS == record_fields.fields_read_by("metrics", LABEL) == ("kernel", "resource", "action",
                                                                                   "device")
     assert metrics.INCIDENT_LABELS == ("kernel", "resource", "action", "gpu")
 
@@ -143,6 +144,6 @@ def test_every_record_carries_the_common_fields_declared(monkeypatch, device, un
                                 final=None, resource="shared memory", required=1, limit_hit=1, started=0.0,
                                 device=device).record()
     incidents.write(record, None)
-    common = (incidents.EVERY, *([incidents.TRITON] if device is not None else []),
-              *([incidents.WHILE_UNVERIFIED] if unverified else []))
+    common = (record_fields.EVERY, *([record_fields.TRITON] if device is not None else []),
+              *([record_fields.WHILE_UNVERIFIED] if unverified else []))
     assert set(record) == {field.name for field in FIELDS if set(field.written_by) & set(common)}

@@ -27,7 +27,7 @@ from ..facts import gpus, untrusted
 from ..facts.settings import Settings
 from ..facts.untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
 from ..kernels import introspect
-from ..store import decision_cache, incidents
+from ..store import decision_cache, record_fields
 from .report import Problems, Record, read
 
 
@@ -105,7 +105,7 @@ DESCRIPTOR = {"base": OBJECT, "shape": _bounded_list(MAX_EXTENT), "strides": _bo
 _SCALAR = Expect("a number (a 64-bit integer), true/false, text or null", lambda value: SCALAR.test(value) and (
     not isinstance(value, int) or -MAX_INT - 1 <= value <= MAX_INT))
 
-#: How replay checks each field it reads from a record; smemguard.store.incidents.FIELDS says which a record must have.
+#: How replay checks each field it reads from a record; record_fields.FIELDS says which a record must have.
 #: ``args`` entries are checked by :func:`_argument_problems`.
 CHECKS = {
     "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
@@ -127,7 +127,7 @@ CHECKS = {
     "limit": Expect("an object {device, emulated} of byte counts", lambda value: isinstance(value, dict) and all(
         _bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))),
 }
-REQUIRED, OPTIONAL = incidents.required_and_optional("replay", CHECKS)
+REQUIRED, OPTIONAL = record_fields.required_and_optional("replay", CHECKS)
 
 
 def _known_arch(value) -> bool:

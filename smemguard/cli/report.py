@@ -11,8 +11,8 @@ from typing import Iterable, Iterator
 
 from ..facts import untrusted
 from ..facts.untrusted import NAME, NUMBER, TEXT, Expect, printable
-from ..store import incidents
-from ..store.incidents import TIME_FORMAT
+from ..store import record_fields
+from ..store.record_fields import TIME_FORMAT
 
 #: The lines not fully used that are named one by one, over all the files read; the others are only counted: a file
 #: of a million bad lines gives a screenful, and nothing is kept per line.
@@ -132,10 +132,10 @@ DEVICE_FIELDS = {"name": TEXT.or_null(), "backend": TEXT, "arch": Expect("an int
     isinstance(value, (int, str)) and not isinstance(value, bool)))}
 
 #: A record of another schema (one written by another version, or no record of smemguard's) is skipped, and counted.
-SCHEMA = Expect(f"{incidents.SCHEMA}, the schema this smemguard reads", lambda value: (
-    untrusted.integer().test(value) and value == incidents.SCHEMA))
+SCHEMA = Expect(f"{record_fields.SCHEMA}, the schema this smemguard reads", lambda value: (
+    untrusted.integer().test(value) and value == record_fields.SCHEMA))
 
-#: How the report checks each field it reads; smemguard.store.incidents.FIELDS says which a record must have. Without a
+#: How the report checks each field it reads; record_fields.FIELDS says which a record must have. Without a
 #: required one a line is not an incident record the report can count; a wrong optional one is left out of the
 #: report (and listed), the record counted.
 CHECKS = {
@@ -150,7 +150,7 @@ CHECKS = {
         NUMBER.test(value) and value <= 86_400_000)),
     "args": Expect("an object of arguments, tensors' shapes lists of integers", _arguments),
 }
-REQUIRED, OPTIONAL = incidents.required_and_optional("report", CHECKS)
+REQUIRED, OPTIONAL = record_fields.required_and_optional("report", CHECKS)
 
 
 @dataclass(frozen=True)

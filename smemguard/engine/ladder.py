@@ -15,8 +15,7 @@ kernel is never launched to find out whether it fits):
    function, the alternatives registered for it. When several fit, up to :data:`RACE` are
    timed with the tuner's own benchmark and the fastest wins. A candidate keeps the config's
    other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
-   code and its speed, never whether it fits (``waves_per_eu`` and ``kpack`` change no byte of
-   LDS, ``matrix_instr_nonkdim`` under 1 KiB of gfx950's padding: ``benchmarks/amd_lds_sweep.py``).
+   code and its speed, never whether it fits (README, "What changes LDS on AMD").
    The candidates still wanted are compiled together (:func:`smemguard.kernels.launch.try_compile_all`);
 3. the fallback registered for the kernel (:func:`smemguard.register_fallback`);
 4. otherwise nothing: the original error is re-raised (:mod:`smemguard.engine.recovery`).

@@ -25,19 +25,17 @@ holds the launch's keyword order and the Triton release's own text: ``smemguard 
 --decisions`` computes the same key offline. The GPU is keyed by arch and limit, which decide
 what compiles and what fits; torch's device name is kept in the entry for people.
 
-The file is JSON (never pickle), read again whenever it changed on disk, and written
-atomically under an exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.facts.files`), so
-concurrent workers (tensor-parallel ranks, restarts) agree: the first decision stored for a
-case wins and everyone applies that one. A corrupt or foreign-schema file is moved aside with
-one warning and rebuilt; so is a file holding entries recovery could not apply (hand-edited, from
-another version), rebuilt with the usable ones. The directory and the file are a trust boundary:
-either one writable by another user (or owned by one) is refused, as ssh refuses a writable
-``authorized_keys``. Failing I/O never stops a launch: one warning, then memory only.
+The file is JSON (never pickle), read again whenever it changed on disk, and written atomically under an
+exclusive ``flock`` on ``decisions.lock`` (:mod:`smemguard.facts.files`), so concurrent workers
+(tensor-parallel ranks, restarts) agree: the first decision stored for a case wins and everyone applies it.
+A corrupt or foreign-schema file is moved aside with one warning and rebuilt; so is a file holding entries
+recovery could not apply (hand-edited, from another version), rebuilt with the usable ones. The directory and
+the file are a trust boundary: either one writable by another user (or owned by one) is refused, as ssh refuses
+a writable ``authorized_keys``. Failing I/O never stops a launch: one warning, then memory only.
 
-A directory this process cannot write (a read-only image layer, Kubernetes' ``readOnlyRootFilesystem``, a
-server user other than the one that imported the decisions) is read without the lock, which only writers
-need since they replace the file atomically: its decisions apply, a new one stays in the process (one
-warning), and nothing there is moved aside or rewritten.
+A directory this process cannot write (a read-only image layer, ``readOnlyRootFilesystem``, a server user other
+than the one that imported the decisions) is read without the lock, which only writers need (they replace the file
+atomically): its decisions apply, a new one stays in the process (one warning), nothing there is moved or rewritten.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The one writer of records, for Triton launches (:func:`record_launch`) and for the DeepGEMM
 patch alike (:func:`emit`); the schema (``"schema": 1``) is documented in
-``docs/INCIDENTS.md``. The record's fields are declared once (:data:`FIELDS`): who writes each,
-and how ``smemguard report``, ``smemguard replay`` and the Prometheus series read it. Writing is
+``docs/INCIDENTS.md``, and declared once in :mod:`.record_fields`: who writes each field, and how
+``smemguard report``, ``smemguard replay`` and the Prometheus series read it. Writing is
 best effort: a record that cannot be written produces one warning naming the path and the fix,
 and the launch goes on. Also the texts a user reads: the warning line and the note on a
 re-raised error.
@@ -23,121 +23,15 @@ from typing import Any, Callable, Sequence
 
 from ..facts import files, process
 from ..kernels import introspect
+from . import metrics
 from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from .record_fields import SCHEMA, TIME_FORMAT
 
 log = logging.getLogger(__name__)
-
-SCHEMA = 1
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # the records' "time"; `smemguard report` parses it back
 
 _write_lock = threading.Lock()
 _unwritable: set[Path] = set()
 _sequence = 0
-
-
-# -- The record's fields, declared once ---------------------------------------------------------
-# What each means is docs/INCIDENTS.md's tables; tests/test_incident_declaration.py keeps them and this equal.
-
-#: Who writes a field: every record (some only while a patch is unverified), every record of a Triton kernel (not
-#: DeepGEMM's), or one source.
-EVERY = "every record"
-WHILE_UNVERIFIED = "every record, while some patch runs above the newest release it was checked against"
-TRITON = "every record of a Triton kernel"
-LAUNCH = "the launch guard"
-COMPILE = "the compile-time core"
-INDUCTOR = "Inductor's load recovery"
-FLEX = "FlexAttention's configs"
-PATCHED_WRAPPER = "a known-kernel patch's wrapper tiles"
-DECLARED_WRAPPER = "a wrapper declared with rerun_on_overflow"
-DEEPGEMM = "the DeepGEMM patch"
-
-#: How a reader takes a field. NEEDED: a record without it, or with a wrong one, is refused; READ: used when present,
-#: left out when wrong; LABEL: labels smemguard_incidents_total; SHOWN: only printed, or read from the record replay's
-#: own run just wrote, so it needs no check.
-NEEDED, READ, LABEL, SHOWN = "needed", "read", "label", "shown"
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One field of the incident record: who writes it, and how ``smemguard report``, ``smemguard replay`` and the
-    Prometheus series (:mod:`smemguard.store.metrics`) take it (None: not at all)."""
-
-    name: str
-    written_by: tuple[str, ...]
-    report: str | None = None
-    replay: str | None = None
-    metrics: str | None = None
-
-
-#: The order is the labels' order in smemguard_incidents_total (kernel, resource, action, then device's gpu).
-FIELDS = (
-    Field("schema", (EVERY,)),
-    Field("id", (EVERY,), replay=READ),
-    Field("time", (EVERY,), report=READ),
-    Field("pid", (EVERY,)),
-    Field("host", (EVERY,)),
-    Field("rank", (EVERY,)),
-    Field("kernel", (EVERY,), report=NEEDED, replay=NEEDED, metrics=LABEL),
-    Field("verified", (WHILE_UNVERIFIED,)),
-    Field("unverified", (WHILE_UNVERIFIED,)),
-    Field("launched_as", (EVERY,)),
-    Field("phase", (EVERY,)),
-    Field("resource", (EVERY,), report=READ, replay=NEEDED, metrics=LABEL),
-    Field("required", (EVERY,), replay=NEEDED),
-    Field("limit_hit", (EVERY,), replay=NEEDED),
-    Field("action", (EVERY,), report=NEEDED, replay=NEEDED, metrics=LABEL),
-    Field("final", (EVERY,), replay=SHOWN),
-    Field("reason", (EVERY,)),
-    Field("attempts", (EVERY,), replay=SHOWN),
-    Field("compiles", (EVERY,)),
-    Field("remembered", (EVERY,), metrics=READ),
-    Field("internal_errors", (EVERY,)),
-    Field("internal_steps", (EVERY,)),
-    Field("recovery_ms", (EVERY,), report=READ, metrics=READ),
-    Field("triton", (TRITON,)),
-    Field("device", (TRITON,), report=READ, replay=NEEDED, metrics=LABEL),
-    Field("limit", (TRITON,), replay=READ),
-    Field("source", (LAUNCH, COMPILE), replay=READ),
-    Field("source_hash", (LAUNCH, COMPILE), replay=SHOWN),
-    Field("num_warps", (LAUNCH, COMPILE), replay=NEEDED),
-    Field("num_stages", (LAUNCH, COMPILE), replay=NEEDED),
-    Field("constexprs", (LAUNCH,), replay=NEEDED),
-    Field("config", (LAUNCH, INDUCTOR, FLEX, PATCHED_WRAPPER, DECLARED_WRAPPER), replay=NEEDED),
-    Field("grid", (LAUNCH,), replay=NEEDED),
-    Field("args", (LAUNCH, DEEPGEMM), report=READ, replay=NEEDED),
-    Field("specialization", (LAUNCH,)),
-    Field("autotune_key", (LAUNCH,)),
-    Field("compile_ms", (LAUNCH, INDUCTOR)),
-    Field("skipped", (LAUNCH,)),
-    Field("timings_ms", (LAUNCH,)),
-    Field("inductor", (INDUCTOR,)),
-    Field("head_dim", (FLEX,)),
-    Field("dtype", (FLEX,)),
-    Field("shape_class", (PATCHED_WRAPPER, DECLARED_WRAPPER)),
-    Field("choice", (DECLARED_WRAPPER,)),
-    Field("slots", (DEEPGEMM,)),
-    Field("variant", (DEEPGEMM,)),
-    Field("deep_gemm", (DEEPGEMM,)),
-    Field("error", (DEEPGEMM,)),
-)
-
-
-def fields_read_by(reader: str, *uses: str) -> tuple[str, ...]:
-    """The names of the fields ``reader`` (``"report"``, ``"replay"`` or ``"metrics"``) takes as one of ``uses``,
-    in :data:`FIELDS`' order."""
-    return tuple(field.name for field in FIELDS if getattr(field, reader) in uses)
-
-
-def required_and_optional(reader: str, checks: dict) -> tuple[dict, dict]:
-    """A reader's own checks, by field, split as :data:`FIELDS` says: the fields a record must have (NEEDED) and
-    those checked when present (READ), each in ``checks``' order. A check of a field the declaration does not give
-    the reader, or a field it gives without a check, is a ValueError at import: no reader has fields of its own."""
-    needed, declared = fields_read_by(reader, NEEDED), set(fields_read_by(reader, NEEDED, READ))
-    if set(checks) != declared:
-        raise ValueError(f"smemguard {reader} checks {sorted(set(checks) - declared)} beyond the fields "
-                         f"incidents.FIELDS gives it, and lacks checks of {sorted(declared - set(checks))}")
-    return ({name: check for name, check in checks.items() if name in needed},
-            {name: check for name, check in checks.items() if name not in needed})
 
 
 def new_record(kernel: str) -> dict:
@@ -280,8 +174,6 @@ def rank() -> int | None:
 def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> str | None:
     """Write ``record`` and log ``message % args`` once per ``case`` (then at DEBUG), followed by
     where the record went; returns that location."""
-    from . import metrics  # not at the top: metrics takes its labels from this module's FIELDS
-
     where = write(record, path)
     metrics.count(record)
     process.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")

@@ -2,7 +2,7 @@
 same series counted from incident files (``smemguard report --format prometheus``).
 
 Every series is derived from an incident record (:func:`labels_of`, its label fields those
-``smemguard.store.incidents.FIELDS`` gives metrics), so the three agree:
+``smemguard.store.record_fields.FIELDS`` gives metrics), so the three agree:
 
 * ``smemguard_incidents_total{kernel, resource, action, gpu}``: records written;
 * ``smemguard_recovery_seconds{kernel}``: histogram of the records' ``recovery_ms``;
@@ -36,7 +36,7 @@ from typing import Iterable
 
 from .._version import __version__
 from ..facts import files, process
-from . import incidents
+from . import record_fields
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ REMEMBERED = "smemguard_remembered"
 INFO = "smemguard_info"
 #: The record fields that label smemguard_incidents_total, in the declaration's order; ``device`` is labelled by its
 #: GPU's name (``gpu``): a device object is no label value.
-LABEL_FIELDS = incidents.fields_read_by("metrics", incidents.LABEL)
+LABEL_FIELDS = record_fields.fields_read_by("metrics", record_fields.LABEL)
 INCIDENT_LABELS = tuple("gpu" if name == "device" else name for name in LABEL_FIELDS)
 INFO_LABELS = ("version", "triton", "mode", "limit")
 #: A textfile holds a few lines per kernel; one larger than this is not smemguard's.
