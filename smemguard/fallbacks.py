@@ -21,12 +21,8 @@ prefix sum and a binary search, cheap in torch, and the numbers are a pure funct
 context lengths, so the torch version is exact (see :func:`paged_mqa_logits_metadata`).
 :mod:`smemguard.patches.deepgemm_metadata` calls it when DeepGEMM refuses a batch.
 
-Read against deepseek-ai/DeepGEMM, the metadata kernel and its host code at:
-``80ceeb2`` (2.0.0, 2025-09-29, ``impls/sm90_fp8_paged_mqa_logits.cuh``), ``38f8ef7`` (2.2.0),
-``0f5f266`` (2.3.0), ``7f2a703`` (2.4.2, ``scheduler/paged_mqa_logits.cuh``), ``891d57b``
-(2.5.0, 2026-04-24), ``88965b0`` (2.5.0, 2026-06-01), ``54e2261`` (2.6.1, 2026-06-23,
-``scheduler/sm90_paged_mqa_logits.cuh`` and ``scheduler/sm100_paged_mqa_logits.cuh``), and
-the NVIDIA ``nv_dev`` branch at ``a6b593d`` (2026-06-29, still says 2.5.0).
+Read against deepseek-ai/DeepGEMM's metadata kernel and its host code, 2.0.0 to 2.6.1, and NVIDIA's
+``nv_dev`` branch (releases: docs/MEASURED.md, smemguard/fallbacks.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ its code object: both ship in the Triton wheel), the JIT cache, the autotuner, a
 kernel's shared memory (LDS on AMD) exceeds the limit, or its warps times the wave size (64 on
 CDNA, 32 on RDNA and NVIDIA) exceed the threads per block. Launches that pass the check are
 recorded in :attr:`FakeGpu.launches` and execute nothing, so numerics need a real GPU. Nor is the
-PTX assembled: ptxas is about half of a large kernel's compile (193 of 364 s for vLLM's prefix-prefill
-attention at head size 256 on sm_75), and the shared memory a launch checks is allocated before it.
+PTX assembled: ptxas is about half of a large kernel's compile (measured: docs/MEASURED.md,
+smemguard/testing.py), and the shared memory a launch checks is allocated before it.
 The stand-in's cubin is empty, and filed in Triton's cache under a key of its own: it never answers
 a real compile that shares ``cache_dir``.
 

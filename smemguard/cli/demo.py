@@ -67,7 +67,7 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
     stages); 3 stages fit. gfx1100 (from Triton 3.6) and gfx950 (3.6; from 3.8 async copies straight
     into LDS) pipeline misaligned loads too, so there the winner is one tuned on an H100: fp16
     32x32x512 at 4 stages, 196608 B on sm_90 (of 232448), over the LDS of both (196608 B; 272304 B
-    on gfx950 with Triton 3.9); 2 or 3 stages fit. Measured on Triton 3.4, 3.6 and 3.9.
+    on gfx950 with Triton 3.9); 2 or 3 stages fit (measured: docs/MEASURED.md, smemguard/cli/demo.py).
     """
     import triton
 

@@ -202,6 +202,28 @@ def drop_replacements() -> int:
     return dropped
 
 
+# -- which launch raised an overflow --------------------------------------------------------------
+
+_failed_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # error -> (kernel, args, kwargs)
+
+
+def note_failed_launch(error: BaseException, kernel, args: tuple, kwargs: dict) -> None:
+    """The launch guard saw ``kernel[grid](*args, **kwargs)`` raise ``error``: kept for as long as the error
+    lives (as its traceback keeps the launch's frame), for a patch that runs its caller's wrapper again."""
+    try:
+        _failed_launches[error] = (kernel, args, kwargs)
+    except TypeError:  # an error type without weak references: nothing is kept
+        pass
+
+
+def failed_launch(error: BaseException) -> tuple | None:
+    """(kernel, args, kwargs) of the launch that raised ``error``, as the launch guard saw it; else None."""
+    try:
+        return _failed_launches.get(error)
+    except TypeError:
+        return None
+
+
 # -- autotuner timings ----------------------------------------------------------------------
 
 

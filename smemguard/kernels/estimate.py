@@ -23,15 +23,8 @@ load goes through registers, aligned or not, and ``num_stages`` changes nothing;
 tile then takes a buffer the size of the larger of the two (mma), fp32 the two tiles (FMA).
 sm_120 is pipelined as sm_80/89 (mma, no wgmma). Calibration: every measurement lies inside its
 interval, so the estimate is off by at most the interval's width (nothing for wgmma; up to
-E - (S-1)·T where an epilogue scratch dominates, 16 of 446 configs in the Triton 3.6 sweep; on
-sm_70/75 no epilogue scratch was measured). Measured: the 743 configs of
-``tests/data/triton36_smem_sweep.csv`` (Triton 3.6; fp16, fp32; aligned, misaligned, N == 1;
-sm_80/89/90) and, with Triton 3.9.0 on the same archs, 3096 compiles: FlagGems' 216-config grid in
-fp16 and 138 configs in bf16 (aligned, misaligned), 108 in fp32 (aligned, misaligned, N == 1); for
-sm_75 and sm_120, ``tests/data/nvidia_smem_sweep.csv`` (``benchmarks/nvidia_smem_sweep.py``,
-Triton 3.9.0 and 3.6.0: fp16 at 1 to 5 stages aligned and misaligned, bf16 and fp32 aligned and
-misaligned, fp16 with N == 1, the example persistent matmul; 988 compiles) and 48 fp16 configs
-on sm_70 (Triton 3.9.0). The textbook S·T is off by S/(S-1) on sm_80/89/120 and by up to S on
+E - (S-1)·T where an epilogue scratch dominates; measured: docs/MEASURED.md,
+smemguard/kernels/estimate.py). The textbook S·T is off by S/(S-1) on sm_80/89/120 and by up to S on
 sm_70/75: it drops configs that fit.
 
 On AMD (gfx90a, gfx942, gfx950; fp16 or bf16 operands; same tiles, stages and warps), with A and
@@ -51,10 +44,8 @@ Triton's stream pipeliner on AMD prefetches one stage into registers and keeps S
 stage (and when the loads are not vectorized) the A and B tiles share one buffer in turn. With
 direct-to-LDS async copies (``TRITON_HIP_USE_ASYNC_COPY``, Triton's default on gfx950 from 3.8)
 every stage lives in LDS, padded against bank conflicts (4.96% at most). ``waves_per_eu`` and
-``kpack`` never change the bytes; ``matrix_instr_nonkdim`` only the gfx950 padding (under 1 KiB).
-Measured: ``tests/data/amd_lds_sweep.csv`` (Triton 3.9.0: FlagGems' 216-config grid aligned and
-misaligned on the three archs, the AMD options on 12 configs, bf16 and fp32 subsets; 3.4.0 and
-3.6.0: 48 configs at 1 to 4 stages, aligned and misaligned, on the three archs).
+``kpack`` never change the bytes; ``matrix_instr_nonkdim`` only the gfx950 padding, under 1 KiB
+(measured: docs/MEASURED.md, smemguard/kernels/estimate.py).
 
 A verdict is taken from the estimate only when the whole interval is :data:`ESTIMATE_MARGIN` clear of the
 limit, and only for a kernel whose measured configs agree with the model on that arch,

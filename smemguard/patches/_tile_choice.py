@@ -166,20 +166,14 @@ class TileChoice(Patch):
             self._choice_layer.add(self._capped)
 
     def _failed_launch(self, error: BaseException) -> tuple | None:
-        """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory
-        in the wrapper's frame; None when that frame's failing statement is not such a launch."""
+        """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory, as the
+        launch guard saw it (``process.failed_launch``); None when ``error`` came from another launch."""
         if getattr(error, "name", None) != "shared memory":
             return None
-        tb = error.__traceback__
-        while tb is not None and tb.tb_frame.f_code is not self._wrapper_code:
-            tb = tb.tb_next
-        if tb is None or tb.tb_next is None:
-            return None
-        launcher = tb.tb_next.tb_frame.f_locals
-        kernel, args, kwargs = launcher.get("self"), launcher.get("args"), launcher.get("kwargs")
+        kernel, args, kwargs = process.failed_launch(error) or (None, (), None)
         if kernel is not getattr(sys.modules[self.module], self.kernel) or not isinstance(kwargs, dict):
             return None
-        return tuple(args or ()), kwargs
+        return tuple(args), kwargs
 
     def _smaller_tile(self, args: tuple, kwargs: dict) -> tuple | None:
         """(key, tile that failed, half of it) when the launch's tile is the one the wrapper chooses for

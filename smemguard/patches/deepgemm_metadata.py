@@ -42,7 +42,7 @@ Read in every vLLM release checked (installed and patched in the tests, CI stage
 num_sms // 2 on SM90 with next_n 4; the fallback asks that same helper) and stored public
 copies of ``vllm/utils/deep_gemm.py`` with the three-argument form and with ``indices``
 (release numbers not pinned); all define the function in ``vllm/utils/deep_gemm.py``.
-DeepGEMM: the versions listed in :mod:`smemguard.fallbacks`; the header fingerprints were
+DeepGEMM: the commits listed in docs/MEASURED.md (smemguard/fallbacks.py); the header fingerprints were
 checked on each of them and on nv_dev's intermediate commits.
 """
 

@@ -5,14 +5,14 @@ Why: FlexAttention's kernels are templates: Inductor renders the tiles of the co
 kernel's source, so once a kernel is compiled only its stages can change (the ``inductor_launchers`` patch
 does that at load). Inductor picks one config per (capability, dtype, head dim) from fixed tables that
 read no shared-memory limit: every 8.x GPU gets the A100's (tuned for 166912 B), and the backward for head
-dim 256 needs 131072 B at one stage (197120 at its two), more than an L4, RTX 4090 or A10G has at any stage
-count (pytorch #133254, #180278; measured on the H200 under an emulated 101376 B limit).
+dim 256 needs 131072 B at one stage, more than an L4, RTX 4090 or A10G has at any stage count (pytorch
+#133254, #180278; measured: docs/MEASURED.md, smemguard/patches/inductor_flex_configs.py).
 
 What: the wrapper reads each config Inductor's table returns and bounds from below what one stage of its
 tiles holds in shared memory: the query and one key/value tile for the forward, ``(BLOCK_M + BLOCK_N) x D``
 elements, and the four tiles of the backward, ``(BLOCK_M1 + BLOCK_N1 + BLOCK_M2 + BLOCK_N2) x D``, with D the
-head dimension rounded up to a power of two as Inductor pads it. (Measured on the H200, Triton 3.6: backward
-D=256 bf16 at (64, 64, 64, 64) is exactly that, 131072 B, at one stage; the forward needs more than its bound.)
+head dimension rounded up to a power of two as Inductor pads it (measured: docs/MEASURED.md,
+smemguard/patches/inductor_flex_configs.py).
 A config whose bound reaches the limit cannot fit at any stage count: it is replaced, before rendering, by
 the same config with every block above 16 halved together (powers of two: the backward's ``BLOCK_N1 %
 BLOCK_M1`` and ``BLOCK_M2 % BLOCK_N2`` still hold), the largest whose bound fits; its stages and warps stay,
@@ -103,9 +103,8 @@ def _halved(kind: str, config):
 def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     """``config``, or the largest halving of its blocks whose one stage can fit ``limit``; None when even
     the smallest blocks cannot. A bound equal to the limit cannot fit: the kernel needs the bound and more
-    (the backward at exactly it), and Inductor's static launcher refuses ``shared >= limit`` (measured on the
-    H200 under a T4's 65536 B: the D=128 backward's (64, 64, 64, 64) and D=256 fp32 forward's (32, 32), bound
-    65536, failed at one stage)."""
+    (the backward at exactly it), and Inductor's static launcher refuses ``shared >= limit`` (measured:
+    docs/MEASURED.md, smemguard/patches/inductor_flex_configs.py)."""
     while one_stage_bytes(kind, config, head_dim, dtype) >= limit:
         if max(getattr(config, block) for block in _BLOCKS[kind]) <= SMALLEST_BLOCK:
             return None

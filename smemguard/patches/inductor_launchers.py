@@ -24,12 +24,9 @@ loads, so that the most stages that fit win rather than one. In observe mode the
 Inductor's own retry runs, and Inductor's error is raised. A kernel that loads is never touched: the
 wrapper adds one ``try`` to a call made once per kernel, never per launch.
 
-In every release checked on the CPU harness (2.14 adds a device-resolution step, a
-compile on one rank leaving the device None: read as the current device;
-``CachingAutotuner._make_launchers(self)``, whose compile
-results carry ``config``, ``kernel`` and ``make_launcher()``, and ``_precompile_config(self, cfg)``; 2.13
-first retries the last config at one stage itself, ``compile_by_disabling_pipelining``); read in 2.8 to
-2.10, which load the same way.
+In every release checked: ``CachingAutotuner._make_launchers(self)``, whose compile results carry ``config``,
+``kernel`` and ``make_launcher()``, and ``_precompile_config(self, cfg)`` (releases: docs/MEASURED.md,
+smemguard/patches/inductor_launchers.py).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+from ..facts import process
 from . import TRITON, TRITON_CHECKED, Layer, Patch, bound
 
 
@@ -66,6 +67,7 @@ def _guarded_getitem(out_of_resources, triton_getitem):
 
 
 def _recovered(kernel, grid, args, kwargs, error, again):
+    process.note_failed_launch(error, kernel, args, kwargs)  # for a wrapper run again (patches._tile_choice)
     engine = PATCH.engine
     if engine is None:  # uninstalled while another tool's layer kept ours alive
         raise error

@@ -1,11 +1,12 @@
 """The compile-time core: wraps Triton's public ``triton.compile`` (every binding of it).
 
 Why: it is the one seam every caller of Triton passes (the JIT, autotuners and library tuners, vLLM's
-warm-up, Inductor's ``CachingAutotuner._precompile_config`` in torch 2.8 to 2.15), public and with the
-signature ``compile(src, target=None, options=None)`` in Triton 3.4 to 3.9, and the compiled kernel's
-``metadata.shared`` is known there before anything loads. A kernel that does not fit the device it will
-load on is compiled again with fewer stages there (:mod:`smemguard.engine.compile_fit`), so the first launch never
-raises ``OutOfResources`` for what fewer stages fix, whoever launches it.
+warm-up, Inductor's ``CachingAutotuner._precompile_config``), public and with the signature
+``compile(src, target=None, options=None)`` in every release supported (releases: docs/MEASURED.md,
+smemguard/patches/triton_compile.py), and the compiled kernel's ``metadata.shared`` is known there before
+anything loads. A kernel that does not fit the device it will load on is compiled again with fewer stages
+there (:mod:`smemguard.engine.compile_fit`), so the first launch never raises ``OutOfResources`` for what
+fewer stages fix, whoever launches it.
 
 The bindings: ``triton.compiler.compiler.compile`` (the definition), ``triton.compiler.compile`` and
 ``triton.compile`` (re-exports), and any module that imported it by name. The JIT imports it from
