@@ -60,3 +60,11 @@ def test_a_folder_imports_only_its_own_and_the_folders_below(folder):
     above = {str(path.relative_to(PACKAGE)): sorted(_imported_folders(path) - allowed)
              for path in sorted((PACKAGE / folder).glob("*.py"))}
     assert {path: folders for path, folders in above.items() if folders} == {}
+
+
+def test_every_folder_of_the_package_ships_in_the_wheel():
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert folders - listed == set(), "a package folder a non-editable install would leave out"
