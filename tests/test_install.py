@@ -270,3 +270,13 @@ def test_the_readme_names_every_patch_smemguard_disable_accepts():
     [row] = [line for line in readme.splitlines() if line.startswith("| `SMEMGUARD_DISABLE` |")]
     named = row[row.index("(`") + 1:row.index("`)") + 1]
     assert sorted(name.strip(" `") for name in named.split(",")) == sorted(MODULES)
+
+
+def test_uninstall_forgets_what_the_patches_decided(install_guard):
+    from smemguard import guard
+
+    install_guard()
+    engine = guard.installed_engine()
+    engine.memory.table("a patch")["a case"] = "its decision"
+    smemguard.uninstall()
+    assert engine.closed and engine.memory.table("a patch") == {}

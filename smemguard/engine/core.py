@@ -13,11 +13,31 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 from ..facts import process
 from ..facts.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+class Memory:
+    """What the patches of one install decided, one table per patch (the launch guard's decisions are
+    :attr:`Engine.decided`), all forgotten when the engine closes."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._tables: dict[str, dict] = {}
+
+    def table(self, name: str) -> dict:
+        """The table ``name``, made at its first use (``setdefault`` is atomic: no lock for a reader that only
+        looks); change it, or read it whole, under :attr:`lock`."""
+        return self._tables.setdefault(name, {})
+
+    def clear(self) -> None:
+        with self.lock:
+            for table in self._tables.values():
+                table.clear()
 
 
 class Engine:
@@ -28,6 +48,7 @@ class Engine:
 
         self.settings = settings
         self.decided = Decided()
+        self.memory = Memory()
         self.closed = False
 
     def __repr__(self) -> str:
@@ -100,6 +121,7 @@ class Engine:
         caches, and what declared wrappers learnt."""
         self.closed = True
         self.decided.clear()
+        self.memory.clear()
         process.drop_replacements()
         wrapper_tiles = sys.modules.get("smemguard.engine.wrapper_tiles")  # imported only by a library that declares
         if wrapper_tiles is not None:

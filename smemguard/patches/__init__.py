@@ -61,6 +61,9 @@ class Port(Protocol):
 
     #: the settings the guard was installed with (a :class:`smemguard.facts.settings.Settings`)
     settings: Any
+    #: what the patches of this install decided, a table per patch (:class:`smemguard.engine.core.Memory`:
+    #: ``memory.table(name)``, changed under ``memory.lock``), forgotten when the engine closes
+    memory: Any
 
     def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
         """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or raises ``error``;

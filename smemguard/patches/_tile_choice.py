@@ -67,7 +67,6 @@ class TileChoice(Patch):
         self._choice_shape, self._launch_shape = choice_shape, launch_shape
         self._wrapper_tile, self._smallest, self._check = wrapper_tile, smallest, check
         self._lock = threading.Lock()
-        self._tiles: dict[tuple, int] = {}  # (device, limit, *shape class) -> the tile that fits
         self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
         self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
         # Both also where vLLM's callers imported them by name (the Triton backend imports the wrapper).
@@ -98,9 +97,14 @@ class TileChoice(Patch):
     def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
         with self._lock:
-            self._tiles.clear()
+            self._learnt().clear()
         self._choice_layer.remove()
         self._wrapper_layer.remove()
+
+    def _learnt(self) -> dict:
+        """(device, limit, *shape class) -> the tile that fits, learnt by this install (empty when uninstalled)."""
+        engine = self.engine
+        return engine.memory.table(self.name) if engine is not None else {}
 
     def _records_path(self):
         engine = self.engine
@@ -133,7 +137,7 @@ class TileChoice(Patch):
             try:
                 frame = self._wrapper_frame(sys._getframe(1))
                 if frame is not None:
-                    learnt = self._tiles.get(self._key(self._choice_shape(args, kwargs, frame)))
+                    learnt = self._learnt().get(self._key(self._choice_shape(args, kwargs, frame)))
                     if learnt is not None and learnt < tile:
                         return learnt
             except Exception:  # bookkeeping only: vLLM's own choice stands
@@ -156,14 +160,20 @@ class TileChoice(Patch):
         device = process.current_device()
         return (device, process.effective_limit(device), *shape)
 
-    def _learn(self, key: tuple, tile: int | None) -> None:
-        """Make the choice answer ``tile`` for ``key`` (None: vLLM's own choice again)."""
+    def _learn(self, key: tuple, tile: int | None) -> bool:
+        """Make the choice answer ``tile`` for ``key`` (None: vLLM's own choice again); False when no install
+        holds what is learnt (uninstalled while another tool's layer kept ours alive)."""
+        engine = self.engine
+        if engine is None:
+            return False
+        learnt = engine.memory.table(self.name)
         with self._lock:
             if tile is None:
-                self._tiles.pop(key, None)
-                return
-            self._tiles[key] = tile
+                learnt.pop(key, None)
+                return True
+            learnt[key] = tile
             self._choice_layer.add(self._capped)
+        return True
 
     def _failed_launch(self, error: BaseException) -> tuple | None:
         """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory, as the
@@ -183,7 +193,7 @@ class TileChoice(Patch):
             return None
         key, tile = self._key(shape), kwargs[self.tile]
         choose = inspect.unwrap(getattr(sys.modules[self.module], self.choice))
-        if self._wrapper_tile(choose, shape, self._tiles.get(key)) != tile:  # chosen elsewhere: not ours
+        if self._wrapper_tile(choose, shape, self._learnt().get(key)) != tile:  # chosen elsewhere: not ours
             return None
         smaller = tile // 2
         return (key, tile, smaller) if smaller >= self._smallest(shape) else None
@@ -211,12 +221,11 @@ class TileChoice(Patch):
                     raise original
                 raise error  # a later launch failed after the kernel ran: the call is not repeated
             if key is None:
-                key, before = step[0], self._tiles.get(step[0])
+                key, before = step[0], self._learnt().get(step[0])
             failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
             learned = False
             with steps.skippable("learn the tile"):
-                self._learn(key, step[2])
-                learned = True
+                learned = self._learn(key, step[2])
             if not learned:
                 raise original  # without the smaller tile in place, calling again would fail the same way
             try:

@@ -53,7 +53,6 @@ import importlib
 import inspect
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,10 +93,6 @@ _STATIC_ARRAY = re.compile(r"__shared__ uint32_t \w+\[kAlignedBatchSize\]")
 _TOKEN_WEIGHTED = ("info.num_kv_splits * info.num_q_tokens", "sm_idx < rem ? sm_idx : rem",
                    "w_in_request / info.num_q_tokens")
 
-_lock = threading.Lock()
-# (device, slots, next_n, block_size) -> (smallest batch DeepGEMM refused, variant)
-_refused: dict[tuple, tuple[int, str]] = {}
-
 
 @dataclass(frozen=True)
 class Scheduler:
@@ -133,9 +128,11 @@ def _check_target(engine) -> None:
         _check_signature(getattr(importlib.import_module(TARGET_MODULE), FUNCTION, None))
 
 
-def _forget_refusals() -> None:
-    with _lock:
-        _refused.clear()
+def _refusals() -> dict:
+    """(device, slots, next_n, block_size) -> (the smallest batch DeepGEMM refused, the scheduler's variant), for
+    this install (empty when uninstalled)."""
+    engine = PATCH.engine
+    return engine.memory.table(__name__) if engine is not None else {}
 
 
 def _records_path() -> Path | None:
@@ -155,6 +152,8 @@ def _check_signature(function) -> None:
 
 
 def _fallback_on_refusal(wrapped, instance, args, kwargs):
+    if PATCH.engine is None:  # uninstalled while another tool's layer kept ours alive
+        return wrapped(*args, **kwargs)
     schedule = _remembered_schedule(wrapped, args, kwargs)
     if schedule is not None:
         return schedule
@@ -169,12 +168,12 @@ def _fallback_on_refusal(wrapped, instance, args, kwargs):
 
 def _remembered_schedule(wrapped, args, kwargs):
     """The torch schedule when DeepGEMM already refused this case with a batch no larger; else None."""
-    if not _refused:
+    refusals = _refusals()
+    if not refusals:
         return None
     try:
         call = _bind(wrapped, args, kwargs)
-        with _lock:
-            refused = _refused.get(call.key)
+        refused = refusals.get(call.key)
         if call.indices is not None or refused is None or call.batch < refused[0]:
             return None
         from ..fallbacks import paged_mqa_logits_metadata
@@ -213,10 +212,13 @@ def _fallback(wrapped, args, kwargs, error: RuntimeError):
         started = time.perf_counter()
         schedule = paged_mqa_logits_metadata(call.context_lens, call.block_size, call.slots,
                                              variant=scheduler.variant)
-        with _lock:
-            known = _refused.get(call.key)
-            if known is None or call.batch < known[0]:
-                _refused[call.key] = (call.batch, scheduler.variant)
+        engine = PATCH.engine
+        if engine is not None:
+            with engine.memory.lock:
+                refusals = engine.memory.table(__name__)
+                known = refusals.get(call.key)
+                if known is None or call.batch < known[0]:
+                    refusals[call.key] = (call.batch, scheduler.variant)
         _report(call, scheduler, deep_gemm, error, reason, started)
         return schedule
     except Exception:  # our own failure must not replace DeepGEMM's error
@@ -365,4 +367,4 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
 PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{FUNCTION}", modules=(TARGET_MODULE,),
               supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
               observe_safe=False,  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
-              apply=_check_target, remove=_forget_refusals, layers={_LAYER: wrapt_layer(_fallback_on_refusal)})
+              apply=_check_target, layers={_LAYER: wrapt_layer(_fallback_on_refusal)})

@@ -53,7 +53,6 @@ import dataclasses
 import inspect
 import logging
 import sys
-import threading
 import time
 
 from ..engine.steps import Steps
@@ -80,8 +79,6 @@ TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for mo
 
 _layers = {(module, name): Layer(module, f"CUDAConfigHeuristic.{name}") for module in MODULES
            for name in PASSES.values()}
-_decided: set = set()
-_lock = threading.Lock()
 
 
 def _element_bytes(dtype) -> int:
@@ -132,11 +129,14 @@ def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: floa
 
 def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int, started: float,
             steps: Steps) -> None:
-    key = (kind, head_dim, str(dtype), device, limit, str(config))
-    with _lock:
-        if key in _decided:
+    key, engine = (kind, head_dim, str(dtype), device, limit, str(config)), PATCH.engine
+    if engine is None:
+        return
+    with engine.memory.lock:  # one record per (pass, head dim, dtype, device, limit, config) and install
+        decided = engine.memory.table(__name__)
+        if key in decided:
             return
-        _decided.add(key)
+        decided[key] = replacement
     bound = one_stage_bytes(kind, config, head_dim, dtype)
     kernel = f"flex_attention_{kind}"
     incident = incidents.Incident(
@@ -172,6 +172,8 @@ def _head_dim_and_dtype(wrapped, args, kwargs) -> tuple:
 def _wrapper(kind: str):
     def offer(wrapped, instance, args, kwargs):
         configs = wrapped(*args, **kwargs)
+        if PATCH.engine is None:  # uninstalled while another tool's layer kept ours alive
+            return configs
         started, steps = time.perf_counter(), Steps(f"FlexAttention {kind}")
         read = None
         with steps.skippable("read the heuristic's arguments"):
@@ -221,8 +223,6 @@ def _check_parameters(owner, name: str) -> None:
 def _remove() -> None:
     for layer in _layers.values():
         layer.remove()
-    with _lock:
-        _decided.clear()
 
 
 #: The target named where torch 2.9 to 2.13 have it.
