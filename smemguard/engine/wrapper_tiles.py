@@ -475,17 +475,9 @@ def _first_call_on_stack(jit) -> bool:
 
 
 def _failed_launch(error) -> tuple[Any, dict]:
-    """(the Triton kernel whose launch raised ``error``, the constexprs it was launched with by name): the JIT
-    function under the ``self`` of the innermost frame in the traceback that holds one (Triton's own ``run``),
-    and that frame's ``kwargs``."""
-    found, launched = None, {}
-    tb = error.__traceback__
-    while tb is not None:
-        local = tb.tb_frame.f_locals
-        holder = local.get("self")
-        jit = introspect.jit_function(holder) if holder is not None else None
-        if jit is not None and hasattr(jit, "arg_names"):
-            found, launched = jit, local.get("kwargs") if isinstance(local.get("kwargs"), dict) else {}
-        tb = tb.tb_next
-    return found, launched
+    """(the Triton kernel whose launch raised ``error``, the arguments it was launched with by name), as the launch
+    guard saw that launch (``process.failed_launch``); (None, {}) for an error no guarded launch raised."""
+    kernel, _, launched = process.failed_launch(error) or (None, (), {})
+    jit = introspect.jit_function(kernel) if kernel is not None else None
+    return (jit, launched) if jit is not None and hasattr(jit, "arg_names") else (None, {})
 
