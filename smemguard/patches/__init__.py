@@ -142,6 +142,17 @@ class Patch:
             return bool(self._present())
         return bool(self._layers) and all(layer.present() for layer in self._layers)
 
+    def records_path(self):
+        """Where this install's incident records go (None: to the log only, as while uninstalled)."""
+        engine = self.engine
+        return engine.settings.log_path if engine is not None else None
+
+    def memory(self) -> dict:
+        """This patch's table in the engine's memory (``Port.memory``: changed under its lock); while
+        uninstalled, an empty one kept nowhere."""
+        engine = self.engine
+        return engine.memory.table(self.name) if engine is not None else {}
+
 
 class Registration:
     """What a library patch files in :mod:`smemguard.kernels.registry` for the library's Triton kernels (a fallback, a

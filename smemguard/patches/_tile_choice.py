@@ -97,18 +97,9 @@ class TileChoice(Patch):
     def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
         with self._lock:
-            self._learnt().clear()
+            self.memory().clear()
         self._choice_layer.remove()
         self._wrapper_layer.remove()
-
-    def _learnt(self) -> dict:
-        """(device, limit, *shape class) -> the tile that fits, learnt by this install (empty when uninstalled)."""
-        engine = self.engine
-        return engine.memory.table(self.name) if engine is not None else {}
-
-    def _records_path(self):
-        engine = self.engine
-        return engine.settings.log_path if engine is not None else None
 
     def caps_choice(self) -> bool:
         """Whether vLLM's choice function carries the layer that answers learnt tiles (from the first
@@ -137,7 +128,7 @@ class TileChoice(Patch):
             try:
                 frame = self._wrapper_frame(sys._getframe(1))
                 if frame is not None:
-                    learnt = self._learnt().get(self._key(self._choice_shape(args, kwargs, frame)))
+                    learnt = self.memory().get(self._key(self._choice_shape(args, kwargs, frame)))
                     if learnt is not None and learnt < tile:
                         return learnt
             except Exception:  # bookkeeping only: vLLM's own choice stands
@@ -166,7 +157,7 @@ class TileChoice(Patch):
         engine = self.engine
         if engine is None:
             return False
-        learnt = engine.memory.table(self.name)
+        learnt = self.memory()
         with self._lock:
             if tile is None:
                 learnt.pop(key, None)
@@ -193,7 +184,7 @@ class TileChoice(Patch):
             return None
         key, tile = self._key(shape), kwargs[self.tile]
         choose = inspect.unwrap(getattr(sys.modules[self.module], self.choice))
-        if self._wrapper_tile(choose, shape, self._learnt().get(key)) != tile:  # chosen elsewhere: not ours
+        if self._wrapper_tile(choose, shape, self.memory().get(key)) != tile:  # chosen elsewhere: not ours
             return None
         smaller = tile // 2
         return (key, tile, smaller) if smaller >= self._smallest(shape) else None
@@ -221,7 +212,7 @@ class TileChoice(Patch):
                     raise original
                 raise error  # a later launch failed after the kernel ran: the call is not repeated
             if key is None:
-                key, before = step[0], self._learnt().get(step[0])
+                key, before = step[0], self.memory().get(step[0])
             failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
             learned = False
             with steps.skippable("learn the tile"):
@@ -248,7 +239,7 @@ class TileChoice(Patch):
                 limit_hit=error.limit, started=started, device=device, internal_steps=internal_steps,
                 attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
                 extras={"shape_class": shape_class, "config": failed[0].config})
-            incidents.report(incident, self._records_path(), (self.kernel, key),
+            incidents.report(incident, self.records_path(), (self.kernel, key),
                              "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now "
                              "on", self.kernel, error.name, error.required, error.limit, failed[0].config,
                              " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)

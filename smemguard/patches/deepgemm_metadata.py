@@ -128,19 +128,6 @@ def _check_target(engine) -> None:
         _check_signature(getattr(importlib.import_module(TARGET_MODULE), FUNCTION, None))
 
 
-def _refusals() -> dict:
-    """(device, slots, next_n, block_size) -> (the smallest batch DeepGEMM refused, the scheduler's variant), for
-    this install (empty when uninstalled)."""
-    engine = PATCH.engine
-    return engine.memory.table(__name__) if engine is not None else {}
-
-
-def _records_path() -> Path | None:
-    """Where incident records go: the installed settings' log (None: to the log only)."""
-    engine = PATCH.engine
-    return engine.settings.log_path if engine is not None else None
-
-
 def _check_signature(function) -> None:
     if function is None:
         raise RuntimeError(f"{TARGET_MODULE} has no {FUNCTION} (a vLLM without the DeepSeek sparse-attention "
@@ -168,7 +155,7 @@ def _fallback_on_refusal(wrapped, instance, args, kwargs):
 
 def _remembered_schedule(wrapped, args, kwargs):
     """The torch schedule when DeepGEMM already refused this case with a batch no larger; else None."""
-    refusals = _refusals()
+    refusals = PATCH.memory()  # (device, slots, next_n, block_size) -> (smallest batch refused, variant)
     if not refusals:
         return None
     try:
@@ -215,7 +202,7 @@ def _fallback(wrapped, args, kwargs, error: RuntimeError):
         engine = PATCH.engine
         if engine is not None:
             with engine.memory.lock:
-                refusals = engine.memory.table(__name__)
+                refusals = PATCH.memory()
                 known = refusals.get(call.key)
                 if known is None or call.batch < known[0]:
                     refusals[call.key] = (call.batch, scheduler.variant)
@@ -359,7 +346,7 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
             "slots": call.slots, "variant": scheduler.variant,
             "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
             "error": f"{type(error).__name__}: {error}"})
-    incidents.report(incident, _records_path(), (KERNEL, *call.key),
+    incidents.report(incident, PATCH.records_path(), (KERNEL, *call.key),
                      "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
                      "in torch from now on for batches this large", KERNEL, call.batch, why, scheduler.variant)
 

@@ -133,7 +133,7 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
     if engine is None:
         return
     with engine.memory.lock:  # one record per (pass, head dim, dtype, device, limit, config) and install
-        decided = engine.memory.table(__name__)
+        decided = PATCH.memory()
         if key in decided:
             return
         decided[key] = replacement
@@ -144,7 +144,7 @@ def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, l
         resource="shared memory", required=bound, limit_hit=limit, started=started, device=device,
         internal_steps=steps.failed, reason=f"at least {bound} B at one stage of its tiles",
         extras={"head_dim": head_dim, "dtype": str(dtype), "config": str(config)})
-    incidents.report(incident, _records_path(), ("flex", kind, head_dim, str(dtype), device, limit),
+    incidents.report(incident, PATCH.records_path(), ("flex", kind, head_dim, str(dtype), device, limit),
                    "smemguard: FlexAttention %s (head dim %d, %s): Inductor's %s needs at least %d B at one stage, "
                    "over %d B; offering %s instead", kind, head_dim, dtype, config, bound, limit, replacement)
 
@@ -187,12 +187,6 @@ def _wrapper(kind: str):
 
 
 _WRAPPERS = {kind: _wrapper(kind) for kind in PASSES}
-
-
-def _records_path():
-    """Where incident records go: the installed settings' log (None: to the log only)."""
-    engine = PATCH.engine
-    return engine.settings.log_path if engine is not None else None
 
 
 def _apply(engine) -> None:
