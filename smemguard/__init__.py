@@ -9,7 +9,7 @@ Importing this package imports neither Triton nor torch.
 from . import _moved
 from ._version import __version__
 
-_moved.add_finder()  # before anything else of ours is imported
+_moved.add_finder(__path__)  # before anything else of ours is imported
 
 from .guard import install, is_installed, uninstall  # noqa: E402
 from .kernels.registry import (  # noqa: E402

@@ -23,12 +23,34 @@ def test_an_old_path_is_the_new_module_with_a_warning(old, new):
               f"import smemguard.{new} as new\n"
               f"with warnings.catch_warnings(record=True) as caught:\n"
               f"    from smemguard import {old} as old\n"
-              f"print(old is new, [str(w.message) for w in caught if w.category is DeprecationWarning])")
+              f"print(old is new, old.__spec__.name,\n"
+              f"      [str(w.message) for w in caught if w.category is DeprecationWarning])")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     warning = f"smemguard.{old} is now smemguard.{new}; the old path goes in the next release"
-    assert done.stdout.strip() == f"True [{warning!r}]"
+    assert done.stdout.strip() == f"True smemguard.{new} [{warning!r}]"
     assert not (PACKAGE / f"{old}.py").exists()
+
+
+def test_only_smemguards_own_imports_reach_the_moved_paths():
+    # A meta-path finder would be asked for every import of the process (prometheus_client's optional imports, on
+    # the first incident); the finder of smemguard's own path entry is asked only for a name under smemguard.
+    script = ("import importlib, sys, smemguard, smemguard._moved as moved\n"
+              "asked = []\n"
+              "find = moved._OldPaths.find_spec\n"
+              "moved._OldPaths.find_spec = lambda self, name, target=None: asked.append(name) or find(self, name)\n"
+              "for name in ('no_such_module_anywhere', 'json.no_such_module', 'smemguard.no_such_module'):\n"
+              "    try:\n"
+              "        importlib.import_module(name)\n"
+              "    except ImportError:\n"
+              "        pass\n"
+              "importlib.invalidate_caches()\n"
+              "sys.path_importer_cache.clear()  # the path hook makes the finder again\n"
+              "import smemguard.runtime\n"
+              "print(asked)")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['smemguard.no_such_module', 'smemguard.runtime']"
 
 
 def test_a_name_no_module_had_still_fails_to_import():

@@ -64,11 +64,12 @@ class Engine:
 
     def remembered_compile(self, jit, source, device, options, *, launching: bool):
         """Option overrides remembered for the variant Triton is about to compile, or its stored refusal."""
-        from . import recall
+        from . import compile_fit
 
         if self.closed:
             return None
-        return recall.remembered_compile(jit, source, device, options, self.settings.cache_dir, launching=launching)
+        return compile_fit.remembered_compile(jit, source, device, options, self.settings.cache_dir,
+                                              launching=launching)
 
     def on_warmup(self, kernel, grid, args, kwargs, compiled):
         """The kernel a warm-up hands back: a replacement decided now when ``compiled`` does not fit."""

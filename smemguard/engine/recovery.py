@@ -32,7 +32,7 @@ from ..kernels import introspect, registry
 from ..kernels.launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 from ..store import decision_cache, incidents
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
-from . import ladder, recall
+from . import compile_fit, ladder, recall
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
     saved work, the recovered launch. ``decided``: the decisions of the install, one per failing kernel."""
-    stored = recall.stored(error)
+    stored = compile_fit.stored(error)
     if stored is not None:
         return _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided, stored)
     started = time.perf_counter()
@@ -209,7 +209,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
 def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided: Decided,
                       stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
-    another config (:func:`smemguard.engine.recall.remembered_compile`). Applied here with one compile, the
+    another config (:func:`smemguard.engine.compile_fit.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
     or a step of it fails, the launch runs again as asked, compiling the variant, and a failure of
     that is recovered like any other."""
@@ -228,7 +228,7 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, deci
     if decision is not None:
         return with_config(launch, decision.config).relaunch()
     try:
-        with recall.compiling_as_asked.scope():
+        with compile_fit.compiling_as_asked.scope():
             return again()
     except OutOfResources as real:
         real_error = real
