@@ -29,8 +29,9 @@ Rules, and why:
   raises nothing and can only choose a faster kernel that fits.) A config the decision cache stores as
   switched away from is still refused before compiling there (``patches/jit_compile``).
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
-  compile variants that must be measured as they are: the core stands aside while one runs
-  (:data:`smemguard.facts.process.engine_compiling`, process-wide, since the ladder compiles on a pool).
+  compile variants that must be measured as they are: the core stands aside while one runs, and so does
+  :func:`remembered_compile` (the compile seams test the engine's ``compiling``,
+  :data:`smemguard.facts.process.engine_compiling`, process-wide, since the ladder compiles on a pool).
 * **What stages cannot fix** (a kernel with no loop to pipeline, a loop with its own fixed depth, one
   stage already, or a source that is not a Triton function) is returned as compiled, for the launch
   guard to decide (other configs, alternatives, fallbacks).
@@ -192,8 +193,6 @@ def _bound(args: tuple, kwargs: dict):
 
 def _overflow(args, kwargs, kernel) -> tuple[int, int, int] | None:
     """(device, the bytes it needs, the limit) when ``kernel`` will not fit the current device; else None."""
-    if process.engine_compiling:
-        return None
     metadata = getattr(kernel, "metadata", None)
     shared = getattr(metadata, "shared", None)
     if not isinstance(shared, int):

@@ -49,6 +49,7 @@ class Engine:
         self.settings = settings
         self.decided = Decided()
         self.memory = Memory()
+        self.compiling = process.engine_compiling
         self.closed = False
 
     def __repr__(self) -> str:

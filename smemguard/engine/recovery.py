@@ -218,11 +218,12 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, deci
     steps = Steps(_layer_name(launched))
     decision = launch = None
     try:
-        with steps.required("resolve the launch"):
-            launch = resolve(launched, grid, args, kwargs)
-        if launch is not None:
-            with steps.required("apply the stored config"):
-                decision = recall.switch(launch, *stored)
+        with process.engine_compiling.scope():  # the stored config is compiled and checked as it is
+            with steps.required("resolve the launch"):
+                launch = resolve(launched, grid, args, kwargs)
+            if launch is not None:
+                with steps.required("apply the stored config"):
+                    decision = recall.switch(launch, *stored)
     except StepFailed:  # logged where it failed
         pass
     if decision is not None:

@@ -271,7 +271,8 @@ class ProcessFlag(ThreadFlag):
 
 
 #: Set while smemguard's own engine compiles variants to measure them (the ladder on its pool of threads,
-#: Inductor recovery, warm-up decisions): the compile-time core (:mod:`smemguard.engine.compile_fit`) stands aside.
+#: Inductor recovery, warm-up decisions, a stored config switch): the compile seams (``patches/triton_compile``,
+#: ``patches/jit_compile``) hand Triton's result on without asking the engine.
 engine_compiling = ProcessFlag()
 
 

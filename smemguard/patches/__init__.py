@@ -64,6 +64,10 @@ class Port(Protocol):
     #: what the patches of this install decided, a table per patch (:class:`smemguard.engine.core.Memory`:
     #: ``memory.table(name)``, changed under ``memory.lock``), forgotten when the engine closes
     memory: Any
+    #: true while the engine compiles variants of its own (the ladder's candidates on its pool of threads, warm-up
+    #: and torch.compile recoveries, the core's fewer-stage compiles), which it measures as they are: the compile
+    #: seams then hand Triton's result on without asking the engine (a process-wide flag: test it, never call it)
+    compiling: Any
 
     def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
         """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or raises ``error``;

@@ -45,7 +45,7 @@ def _arguments(key, signature, device, constexprs, options, attrs, warmup):
 def _compile_remembered(wrapped, instance, args, kwargs):
     override = None
     engine = PATCH.engine
-    if engine is not None:
+    if engine is not None and not engine.compiling:  # the engine's own compiles are measured as they are
         from triton.runtime.errors import OutOfResources
 
         try:

@@ -26,7 +26,7 @@ from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 def _compile_fitting(wrapped, instance, args, kwargs):
     kernel = wrapped(*args, **kwargs)
     engine = PATCH.engine
-    return kernel if engine is None else engine.on_compiled(wrapped, args, kwargs, kernel)
+    return kernel if engine is None or engine.compiling else engine.on_compiled(wrapped, args, kwargs, kernel)
 
 
 PATCH = Patch(__name__, target="triton.compiler.compiler.compile", modules=("triton",), supported=TRITON,
