@@ -1,6 +1,7 @@
 """The compile-time core at ``triton.compile``: a kernel that does not fit is compiled again with fewer stages
 before anything loads it, for any caller (Triton's real compiles for a stand-in L4, Triton's own load check)."""
 
+import contextlib
 import json
 
 import pytest
@@ -63,6 +64,28 @@ def test_the_next_process_compiles_the_fitting_variant_first(incident_log, tmp_p
         assert again == [], "the JIT compiled the stored variant: nothing overflowed"
     else:
         assert [(r["remembered"], r["compiles"]) for r in again] == [(True, 1)]
+
+
+def test_the_engines_own_compiles_are_compiled_as_asked(incident_log, tmp_path, triton_cache):
+    """While the engine compiles (the ladder's candidates, warm-up and torch.compile recoveries: ``Engine.compiling``)
+    neither the core nor a remembered decision changes what Triton compiles, so the engine measures what it asked
+    for; before and after, anyone's compile of the same variant gets the 4 stages that fit (``run(warmup=True)``:
+    the JIT's compile, as the engine's own candidates call it)."""
+    settings = Settings(log_path=incident_log, cache_dir=tmp_path / "decisions")  # the core on, as by default
+    stages = {}
+    for who in ("first", "the engine", "the next"):
+        kernel = triton.jit(matmul_kernel.fn)  # a JIT cache of its own: each compiles
+        assert smemguard.install(settings)
+        try:
+            with fake_gpu("L4", cache_dir=triton_cache), \
+                    (process.engine_compiling.scope() if who == "the engine" else contextlib.nullcontext()):
+                compiled = kernel.run(*matmul_args(*operands()), grid=(1,), warmup=True, BLOCK_M=128, BLOCK_N=128,
+                                      BLOCK_K=64, num_stages=5)
+        finally:
+            smemguard.uninstall()
+        stages[who] = compiled.metadata.num_stages
+    assert stages == {"first": 4, "the engine": 5, "the next": 4}
+    assert [record["phase"] for record in records(incident_log)][:1] == ["compile"]
 
 
 def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guard, incident_log, triton_cache):
