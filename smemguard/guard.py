@@ -28,7 +28,6 @@ from .store import metrics
 log = logging.getLogger(__name__)
 
 _lock = threading.RLock()
-_active: Engine | None = None  # the engine of the install
 _pending: Settings | None = None  # waiting for "import triton"
 _guarding_triton = False  # some Triton patch applied (the library patches apply whatever Triton's fate)
 _hook_registered = False
@@ -71,10 +70,11 @@ def _note_applied(patch, *, announce: bool = True) -> None:
 
 def _patch_library(patch, reason: str) -> None:
     """Apply one library patch; never raises (it may run inside the user's import)."""
-    if not _wanted(patch, _active.settings) or not _admitted(patch, _active.settings):
+    engine = process.installed_engine()
+    if not _wanted(patch, engine.settings) or not _admitted(patch, engine.settings):
         return
     try:
-        patch.patch(_active)
+        patch.patch(engine)
     except Exception:
         log.warning("smemguard: could not patch %s (%s); that kernel runs unguarded", patch.name, reason,
                     exc_info=True)
@@ -106,7 +106,7 @@ def _watch_libraries() -> None:
     def hook_for(patch):
         def on_import(imported) -> None:
             with _lock:
-                if _active is not None:
+                if process.installed_engine() is not None:
                     _patch_library(patch, f"on import of {imported.__name__}")
 
         return on_import
@@ -128,7 +128,7 @@ def _patch(settings: Settings) -> bool:
     """Apply every Triton patch that is wanted and admitted, each on its own: one that is refused or fails
     leaves its target untouched (one line), and the others, and the library patches, still apply. True when
     some Triton patch applied; strict mode raises where a patch was refused or failed."""
-    global _active, _guarding_triton
+    global _guarding_triton
     from .patches import TRITON, triton_patches
 
     version = process.triton_version()
@@ -147,8 +147,7 @@ def _patch(settings: Settings) -> bool:
         log.warning("smemguard %s: %s; %s", __version__, problem, "those targets are left untouched"
                     if process.applied_patches() else "Triton is left untouched and kernels run unguarded. "
                     "Fix: upgrade Triton or smemguard.")
-    _active = engine
-    process.set_installed_settings(settings)
+    process.set_installed_engine(engine)
     _guarding_triton = bool(process.applied_patches())
     metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
@@ -227,7 +226,7 @@ def install(settings: Settings | None = None) -> bool:
     global _pending, _hook_registered
     settings = settings or settings_module.current()
     with _lock:
-        if _active is not None or _pending is not None:
+        if process.installed_engine() is not None or _pending is not None:
             return _guarding_triton or _pending is not None
         _report(settings)
         if not settings.enabled:
@@ -247,10 +246,10 @@ def install(settings: Settings | None = None) -> bool:
 
 def uninstall() -> None:
     """Remove what :func:`install` added; safe to call at any time, any number of times."""
-    global _active, _pending, _guarding_triton
+    global _pending, _guarding_triton
     with _lock:
-        engine, _pending, _active = _active, None, None
-        process.set_installed_settings(None)
+        engine, _pending = process.installed_engine(), None
+        process.set_installed_engine(None)
         _guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
@@ -269,7 +268,7 @@ def uninstall() -> None:
 
 def installed_engine() -> Engine | None:
     """The engine of the install in force, None while none is (or until ``import triton``)."""
-    return _active
+    return process.installed_engine()
 
 
 def is_installed() -> bool:
@@ -277,7 +276,7 @@ def is_installed() -> bool:
     triton`` nothing is guarded yet (``install()`` returned True: it will be, once Triton is imported), and
     after a failed ``import triton`` nothing is: False in both, by design."""
     with _lock:
-        if _active is None:
+        if process.installed_engine() is None:
             return False
     from .patches import kernel_interface
 

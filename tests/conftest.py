@@ -71,7 +71,7 @@ def install_guard(incident_log):
 @pytest.fixture(autouse=True)
 def _never_leave_the_guard_installed():
     yield
-    if process.installed_settings() is not None:
+    if process.installed_engine() is not None:
         smemguard.uninstall()
         pytest.fail("a test left smemguard installed")
 

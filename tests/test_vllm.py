@@ -25,7 +25,7 @@ LOAD_THEN_IMPORT_TRITON = """
     load_general_plugins()
     import triton, smemguard
     from smemguard.facts import process
-    print("installed", smemguard.is_installed(), process.installed_settings() is not None)
+    print("installed", smemguard.is_installed(), process.installed_engine() is not None)
 """
 
 

@@ -84,6 +84,27 @@ def test_the_next_process_chooses_the_stored_tile_at_once(incident_log, tmp_path
         "the second process raised nothing"
 
 
+def test_what_an_install_learnt_is_in_its_engine_and_forgotten_at_uninstall(incident_log, triton_cache):
+    """The learnt tile is the engine's (its memory's table of declared wrappers), not the declaration's: with no
+    decision cache, the next install meets the overflow again and learns the tile again."""
+    from smemguard.engine import wrapper_tiles
+    from smemguard.facts.settings import Settings
+
+    settings = Settings(log_path=incident_log, cache_dir=None, disabled=("triton_compile",))
+    for _ in range(2):
+        assert smemguard.install(settings)
+        try:
+            with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache):
+                assert matmul(*operands()) == 64
+                learnt = smemguard.guard.installed_engine().memory.table(wrapper_tiles.MEMORY)
+                assert learnt[wrapper_tiles.IN_USE] is True
+                assert list(learnt[block_m_for].known.values()) == [(64,)]
+        finally:
+            smemguard.uninstall()
+        assert learnt == {}, "uninstall() forgot it"
+    assert [record["action"] for record in records(incident_log)] == ["tiles_reduced", "tiles_reduced"]
+
+
 def test_nothing_below_the_smallest_tile_and_the_callers_error_is_kept(install_guard, incident_log, triton_cache):
     install_guard()
     with fake_gpu("L4", max_shared=12000, cache_dir=triton_cache) as gpu:  # even BLOCK_M=32 needs 20480 B

@@ -12,7 +12,6 @@ it put into Triton's JIT caches are forgotten, so the next launch compiles what 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 
 from ..facts import process
@@ -22,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Memory:
-    """What the patches of one install decided, one table per patch (the launch guard's decisions are
-    :attr:`Engine.decided`), all forgotten when the engine closes."""
+    """What the patches of one install decided and what declared wrappers learnt, one table each (the launch
+    guard's decisions are :attr:`Engine.decided`), all forgotten when the engine closes."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -119,12 +118,9 @@ class Engine:
                               "please report it)", exc_info=True)
 
     def close(self) -> None:
-        """Pass everything through from now on; forget the decisions taken and the kernels put into Triton's JIT
-        caches, and what declared wrappers learnt."""
+        """Pass everything through from now on; forget the decisions taken, what the patches and declared wrappers
+        learnt (:attr:`memory`), and the kernels put into Triton's JIT caches."""
         self.closed = True
         self.decided.clear()
         self.memory.clear()
         process.drop_replacements()
-        wrapper_tiles = sys.modules.get("smemguard.engine.wrapper_tiles")  # imported only by a library that declares
-        if wrapper_tiles is not None:
-            wrapper_tiles.forget()

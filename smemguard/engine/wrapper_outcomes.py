@@ -153,10 +153,9 @@ def tiles_stored(settings) -> bool:
     return store is not None and store.holds(TABLE)
 
 
-def stored_tiles(declaration, wrapper: str, shape: tuple) -> tuple | None:
+def stored_tiles(declaration, wrapper: str, shape: tuple, settings) -> tuple | None:
     """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
-    settings = process.installed_settings()
-    store = decision_cache.store(settings.cache_dir) if settings is not None else None
+    store = decision_cache.store(settings.cache_dir)
     if store is None or not store.holds(TABLE):
         return None
     entry = store.get(TABLE, decision_cache.case_id(_case(declaration, wrapper, shape)))

@@ -39,7 +39,6 @@ import logging
 import sys
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import wrapt
@@ -59,15 +58,28 @@ class _Call:
     """One running call of a declared wrapper: its name, and every tile a declaration answered in it."""
 
     wrapper: str
+    engine: Any  # the install's (:func:`smemguard.facts.process.installed_engine`), whose memory holds what was learnt
     chosen: list = dataclasses.field(default_factory=list)  # [(declaration, shape class, tiles)]
     least: int | None = None  # the least bytes the launch guard's candidates needed at the last failed launch
 
 
 _UNKNOWN = object()
-#: Whether any declaration may answer a learnt tile: one was learnt here, or the decision cache holds a tiles
-#: table (None: not read since install). While False, a healthy call records nothing: a declared wrapper costs a
-#: ``try`` and a declared choice a thread-local read.
-_tiles_in_use: bool | None = None
+#: The table of the engine's memory (:attr:`smemguard.engine.core.Engine.memory`, forgotten at ``uninstall()``)
+#: that holds what declarations learnt in this install: a :class:`_Learnt` under each declaration, and under
+#: :data:`IN_USE` whether any declaration may answer a learnt tile (one was learnt, or the decision cache holds a
+#: tiles table; absent: not read yet). While that is False, a healthy call records nothing: a declared wrapper
+#: costs a ``try`` and a declared choice a thread-local read.
+MEMORY = "declared wrappers"
+IN_USE = "in use"
+
+
+@dataclasses.dataclass
+class _Learnt:
+    """What one declaration learnt in one install, per (wrapper, device, limit, shape class)."""
+
+    known: dict = dataclasses.field(default_factory=dict)  # key -> tiles; None: none
+    limits: dict = dataclasses.field(default_factory=dict)  # device -> the limit enforced there
+    exhausted: dict = dataclasses.field(default_factory=dict)  # key -> why not even the smallest tiles fit there
 
 
 class _Running(threading.local):
@@ -76,7 +88,6 @@ class _Running(threading.local):
 
 
 _running = _Running()
-_declarations: weakref.WeakSet = weakref.WeakSet()  # every declaration, whose learnt tiles uninstall() forgets
 
 
 def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
@@ -130,20 +141,16 @@ def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tupl
 
 
 class _Declaration:
-    """Where a wrapper's tiles for one kernel come from; what this process and the decision cache learnt for them
-    per (wrapper, device, limit, shape class)."""
+    """Where a wrapper's tiles for one kernel come from. What the install and the decision cache learnt for them,
+    per (wrapper, device, limit, shape class), is in the engine's memory (:data:`MEMORY`): libraries declare at
+    import, before any install."""
 
     def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest: int, name: str):
         self.jits, self.tiles, self.smallest, self.name = jits, tiles, smallest, name
-        self._lock = threading.Lock()
-        self._known: dict[tuple, tuple | None] = {}  # (wrapper, device, limit, shape class) -> tiles; None: none
-        self._limits: dict[int, int] = {}  # device -> the limit enforced there
-        self._exhausted: dict[tuple, str] = {}  # key -> why not even the smallest tiles fit there (recorded once)
-        _declarations.add(self)
 
-    def lowered(self, wrapper: str, shape: tuple, answered: tuple) -> tuple:
+    def lowered(self, call: _Call, shape: tuple, answered: tuple) -> tuple:
         """``answered`` with each tile no larger than the one learnt for the shape class."""
-        learnt = self._learnt(wrapper, shape)
+        learnt = self._learnt(call.engine, call.wrapper, shape)
         return answered if learnt is None else tuple(min(pair) for pair in zip(answered, learnt))
 
     def smaller(self, tiles: tuple) -> tuple | None:
@@ -157,43 +164,49 @@ class _Declaration:
     def label(self, tiles: tuple) -> str:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
 
-    def _key(self, wrapper: str, shape: tuple) -> tuple:
+    def _of(self, engine) -> tuple[_Learnt, tuple]:
+        """(what this declaration learnt in ``engine``'s install, the lock its writers take)."""
+        table = engine.memory.table(MEMORY)
+        learnt = table.get(self)  # one dict read, atomic: the lock only orders the writers
+        if learnt is None:
+            learnt = table.setdefault(self, _Learnt())
+        return learnt, engine.memory.lock
+
+    def _key(self, learnt: _Learnt, wrapper: str, shape: tuple) -> tuple:
         device = process.current_device()
-        limit = self._limits.get(device)
+        limit = learnt.limits.get(device)
         if limit is None:  # fixed while installed (an emulated limit is a setting): read once per device
-            limit = self._limits[device] = process.effective_limit(device)
+            limit = learnt.limits[device] = process.effective_limit(device)
         return (wrapper, device, limit, shape)
 
-    def _learnt(self, wrapper: str, shape: tuple) -> tuple | None:
-        key = self._key(wrapper, shape)
-        known = self._known.get(key, _UNKNOWN)  # one dict read, atomic: the lock only orders the writers
+    def _learnt(self, engine, wrapper: str, shape: tuple) -> tuple | None:
+        learnt, lock = self._of(engine)
+        key = self._key(learnt, wrapper, shape)
+        known = learnt.known.get(key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
-        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape)
-        with self._lock:
-            return self._known.setdefault(key, stored)
+        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape, engine.settings)
+        with lock:
+            return learnt.known.setdefault(key, stored)
 
-    def learn(self, wrapper: str, shape: tuple, tiles: tuple | None) -> None:
-        global _tiles_in_use
-        with self._lock:
-            self._known[self._key(wrapper, shape)] = tiles
-        if tiles is not None:
-            _tiles_in_use = True
+    def learn(self, engine, wrapper: str, shape: tuple, tiles: tuple | None) -> None:
+        learnt, lock = self._of(engine)
+        with lock:
+            learnt.known[self._key(learnt, wrapper, shape)] = tiles
+            if tiles is not None:
+                engine.memory.table(MEMORY)[IN_USE] = True
 
-    def exhaust(self, wrapper: str, shape: tuple, reason: str) -> None:
+    def exhaust(self, engine, wrapper: str, shape: tuple, reason: str) -> None:
         """Not even the smallest tiles fit for the shape class: later calls go to the outcome at once."""
-        with self._lock:
-            self._known[self._key(wrapper, shape)] = None
-            self._exhausted[self._key(wrapper, shape)] = reason
+        learnt, lock = self._of(engine)
+        with lock:
+            key = self._key(learnt, wrapper, shape)
+            learnt.known[key] = None
+            learnt.exhausted[key] = reason
 
-    def exhausted(self, wrapper: str, shape: tuple) -> str | None:
-        return self._exhausted.get(self._key(wrapper, shape))
-
-    def forget_all(self) -> None:
-        with self._lock:
-            self._known.clear()
-            self._limits.clear()
-            self._exhausted.clear()
+    def exhausted(self, engine, wrapper: str, shape: tuple) -> str | None:
+        learnt, _ = self._of(engine)
+        return learnt.exhausted.get(self._key(learnt, wrapper, shape))
 
 
 def _shape_class(arguments) -> tuple | None:
@@ -233,7 +246,7 @@ class TileChoice(_Declaration):
             if shape is None:
                 return answer
             answered = (answer,) if self.positions is None else tuple(answer[index] for index in self.positions)
-            tiles = self.lowered(call.wrapper, shape, answered)
+            tiles = self.lowered(call, shape, answered)
             if tiles != answered:
                 answer = tiles[0] if self.positions is None else _replaced(answer, self.positions, tiles)
         except Exception:  # bookkeeping only: the library's own choice stands
@@ -273,7 +286,7 @@ class LaunchTiles(_Declaration):
             answered = tuple(kwargs[name] for name in self.tiles)
             shape = _shape_class(self._shape(args, kwargs).items()) if all(
                 type(tile) is int for tile in answered) else None
-            tiles = self.lowered(call.wrapper, shape, answered) if shape is not None else answered
+            tiles = self.lowered(call, shape, answered) if shape is not None else answered
             if tiles != answered:
                 launched, lowered = dict(zip(self.tiles, answered)), dict(zip(self.tiles, tiles))
                 kwargs = {**kwargs, **lowered}
@@ -305,23 +318,18 @@ def _launch_with(tiles: LaunchTiles, kernel, call: _Call, grid, *args, **kwargs)
     return tiles.launch(kernel, call, grid, args, kwargs)
 
 
-def forget() -> None:
-    """Forget every tile learnt in this process (``uninstall()``); the decision cache keeps its entries."""
-    global _tiles_in_use
-    for declaration in list(_declarations):
-        declaration.forget_all()
-    _tiles_in_use = None
-
-
-def _in_use(settings) -> bool:
-    global _tiles_in_use
-    if _tiles_in_use is None:
+def _in_use(engine) -> bool:
+    """Whether a call of a declared wrapper needs bookkeeping (:data:`IN_USE`)."""
+    table = engine.memory.table(MEMORY)
+    in_use = table.get(IN_USE)
+    if in_use is None:
         try:
-            _tiles_in_use = wrapper_outcomes.tiles_stored(settings)
-        except Exception:  # no store to read: only what this process learns
+            in_use = wrapper_outcomes.tiles_stored(engine.settings)
+        except Exception:  # no store to read: only what this install learns
             log.debug("smemguard: could not read the decision cache for tiles", exc_info=True)
-            _tiles_in_use = False
-    return _tiles_in_use
+            in_use = False
+        in_use = table.setdefault(IN_USE, in_use)  # tiles learnt meanwhile stay in use
+    return in_use
 
 
 def _overflow(error: BaseException) -> bool:
@@ -348,11 +356,11 @@ def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> C
 
         @functools.wraps(wrapper)
         def rerunnable(*args, **kwargs):
-            settings = process.installed_settings()
-            if settings is None or settings.observe_only:
+            engine = process.installed_engine()
+            if engine is None or engine.settings.observe_only:
                 return wrapper(*args, **kwargs)
-            if _tiles_in_use is not False and _in_use(settings):
-                return _run(wrapper, name, declarations, fallback, settings, args, kwargs)
+            if _in_use(engine):
+                return _run(wrapper, name, declarations, fallback, engine, args, kwargs)
             try:
                 return wrapper(*args, **kwargs)
             except Exception as error:
@@ -360,17 +368,17 @@ def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> C
                     raise
                 failure = error
             # Outside the except block: the caller's error, if it stands, is raised unchained.
-            return _run(wrapper, name, declarations, fallback, settings, args, kwargs, failure)
+            return _run(wrapper, name, declarations, fallback, engine, args, kwargs, failure)
 
         return rerunnable
 
     return decorate
 
 
-def _recorded_call(wrapper: Callable, name: str, args: tuple, kwargs: dict) -> tuple[Any, BaseException | None,
-                                                                                    _Call]:
+def _recorded_call(wrapper: Callable, name: str, engine, args: tuple, kwargs: dict
+                   ) -> tuple[Any, BaseException | None, _Call]:
     """(result, the shared-memory overflow the call raised or None, the tiles chosen in it)."""
-    outer, call = _running.call, _Call(name)
+    outer, call = _running.call, _Call(name, engine)
     _running.call = call
     try:
         return wrapper(*args, **kwargs), None, call
@@ -382,12 +390,12 @@ def _recorded_call(wrapper: Callable, name: str, args: tuple, kwargs: dict) -> t
         _running.call = outer
 
 
-def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, args: tuple, kwargs: dict,
+def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, args: tuple, kwargs: dict,
          unrecorded: BaseException | None = None):
     """The call, run again with smaller tiles while a declaration's kernel is the launch that does not fit.
     ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tiles it chose
     (the contract makes that safe: it failed at its first launch)."""
-    result, error, call = _recorded_call(wrapper, name, args, kwargs)
+    result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
     if error is None:
         return result
     original, started, steps, failed, step = unrecorded or error, time.perf_counter(), Steps(name), [], None
@@ -396,11 +404,11 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
     if step is None:
         raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
     declaration, shape, tiles, kernel = step
-    known = declaration.exhausted(name, shape)
+    known = declaration.exhausted(engine, name, shape)
     if known is not None:  # decided and recorded before in this process
         return wrapper_outcomes.nothing_fits(known, fallback, original, args, kwargs)
     outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started,
-                                       settings, steps)
+                                       engine.settings, steps)
     while True:
         failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
         smaller = declaration.smaller(tiles)
@@ -411,14 +419,14 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, settings, 
                 reason = outcome.reason(fallback, error)
             if reason is not None:
                 with steps.skippable("remember the failure"):
-                    declaration.exhaust(name, shape, reason)
+                    declaration.exhaust(engine, name, shape, reason)
             return outcome.decided(reason, fallback, args, kwargs)
         try:
             with steps.required("learn the tiles"):
-                declaration.learn(name, shape, smaller)
+                declaration.learn(engine, name, shape, smaller)
         except StepFailed:
             raise original from None
-        result, error, call = _recorded_call(wrapper, name, args, kwargs)
+        result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
         if error is None:
             break
         step = None

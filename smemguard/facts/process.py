@@ -20,22 +20,23 @@ from . import versions
 log = logging.getLogger(__name__)
 
 _emulated_limit: int | None = None
-_installed_settings = None  # the Settings install() applied (the installer writes it), None while not installed
+_installed_engine = None  # the engine of the install in force (the installer writes it), None while not installed
 
 # tuning layer -> {tuning key -> {config -> median ms}}
 _timings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _timings_lock = threading.Lock()
 
 
-def installed_settings():
-    """The settings smemguard is installed with in this process, or None: what code that no patch hands them to
-    (a library's declared wrappers, :mod:`smemguard.engine.wrapper_tiles`) reads."""
-    return _installed_settings
+def installed_engine():
+    """The engine of the install in force in this process (:class:`smemguard.engine.core.Engine`), None while none
+    is (before ``import triton`` too): the installer's, and what code no patch hands it to reads (a library's
+    declared wrappers, :mod:`smemguard.engine.wrapper_tiles`)."""
+    return _installed_engine
 
 
-def set_installed_settings(settings) -> None:
-    global _installed_settings
-    _installed_settings = settings
+def set_installed_engine(engine) -> None:
+    global _installed_engine
+    _installed_engine = engine
 
 
 @contextlib.contextmanager
