@@ -150,8 +150,8 @@ class _Declaration:
 
     def lowered(self, call: _Call, shape: tuple, answered: tuple) -> tuple:
         """``answered`` with each tile no larger than the one learnt for the shape class."""
-        learnt = self._learnt(call.engine, call.wrapper, shape)
-        return answered if learnt is None else tuple(min(pair) for pair in zip(answered, learnt))
+        known = self._known_tiles(call.engine, call.wrapper, shape)
+        return answered if known is None else tuple(min(pair) for pair in zip(answered, known))
 
     def smaller(self, tiles: tuple) -> tuple | None:
         """The next tiles to try: every tile equal to the largest halved (equal tiles stay equal, a smaller one
@@ -164,7 +164,7 @@ class _Declaration:
     def label(self, tiles: tuple) -> str:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
 
-    def _of(self, engine) -> tuple[_Learnt, tuple]:
+    def _of(self, engine) -> tuple[_Learnt, Any]:
         """(what this declaration learnt in ``engine``'s install, the lock its writers take)."""
         table = engine.memory.table(MEMORY)
         learnt = table.get(self)  # one dict read, atomic: the lock only orders the writers
@@ -179,7 +179,7 @@ class _Declaration:
             limit = learnt.limits[device] = process.effective_limit(device)
         return (wrapper, device, limit, shape)
 
-    def _learnt(self, engine, wrapper: str, shape: tuple) -> tuple | None:
+    def _known_tiles(self, engine, wrapper: str, shape: tuple) -> tuple | None:
         learnt, lock = self._of(engine)
         key = self._key(learnt, wrapper, shape)
         known = learnt.known.get(key, _UNKNOWN)
