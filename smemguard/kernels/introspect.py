@@ -40,7 +40,8 @@ def jit_function(obj):
 
 
 def kernel_name(kernel) -> str:
-    """``module:qualname`` of the Python function under any layers, or the string given.
+    """``module:qualname`` of the Python function under any layers (its ``__name__`` in place of the qualname's
+    last part where the function was renamed once made), or the string given.
 
     A library's launcher object with no function inside is named by its class.
     """
@@ -48,7 +49,11 @@ def kernel_name(kernel) -> str:
         return kernel
     layers = list(chain(kernel))
     fn = next((layer for layer in layers if hasattr(layer, "__code__")), layers[-1])
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    qualname, name = getattr(fn, "__qualname__", type(fn).__qualname__), getattr(fn, "__name__", None)
+    if isinstance(name, str) and qualname.rpartition(".")[2] != name:
+        qualname = name  # renamed once made: a kernel built from a template (triton_kernels' define_kernel) keeps
+        # the template's qualname, ``define_kernel.<locals>._empty_fn``, for every kernel it builds
+    return f"{getattr(fn, '__module__', '?')}:{qualname}"
 
 
 def launching_site() -> str | None:

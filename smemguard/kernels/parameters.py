@@ -204,10 +204,22 @@ def _role(uses: list) -> str:
     return kinds.pop() if len(kinds) == 1 and kinds <= {_DEPTH_USE, _WARP_USE} else OTHER
 
 
+def _source(jit) -> tuple[str, int]:
+    """(the source Triton compiles for ``jit``, the file line it starts at). A library may replace the source of a
+    function it made from a template (triton_kernels' ``define_kernel``: ``JITFunction._unsafe_update_src``): then
+    ``jit.src`` is the kernel, and the function's own lines are the template's, lines of no file."""
+    lines, first_line = inspect.getsourcelines(jit.fn)
+    text = textwrap.dedent("".join(lines))
+    compiled = getattr(jit, "src", None)
+    if isinstance(compiled, str) and compiled.strip() not in text:
+        return compiled, 1
+    return text, first_line
+
+
 def _read(jit, depth: int) -> _Facts | None:
     fn = jit.fn
-    lines, first_line = inspect.getsourcelines(fn)
-    function = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    text, first_line = _source(jit)
+    function = ast.parse(text).body[0]
     if not isinstance(function, ast.FunctionDef):
         return None
     params = [arg.arg for arg in function.args.args]
