@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -66,7 +65,6 @@ class TileChoice(Patch):
         self.shape_fields = shape_fields
         self._choice_shape, self._launch_shape = choice_shape, launch_shape
         self._wrapper_tile, self._smallest, self._check = wrapper_tile, smallest, check
-        self._lock = threading.Lock()
         self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
         self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
         # Both also where vLLM's callers imported them by name (the Triton backend imports the wrapper).
@@ -96,8 +94,10 @@ class TileChoice(Patch):
 
     def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
-        with self._lock:
-            self.memory().clear()
+        engine = self.engine
+        if engine is not None:
+            with engine.memory.lock:  # the lock every writer of the engine's memory takes
+                self.memory().clear()
         self._choice_layer.remove()
         self._wrapper_layer.remove()
 
@@ -158,7 +158,7 @@ class TileChoice(Patch):
         if engine is None:
             return False
         learnt = self.memory()
-        with self._lock:
+        with engine.memory.lock:
             if tile is None:
                 learnt.pop(key, None)
                 return True
