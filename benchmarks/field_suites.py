@@ -139,6 +139,18 @@ SUITES = {suite.name: suite for suite in (
           pythonpath=("sglang/site",), default=False,
           source="sgl-project/sglang test/registered/attention, the stored version named in .field/sglang/COMMIT, "
                  "against sglang 0.5.23's files"),
+    # LMDeploy's own tests of its Triton attention kernels (prefill flash attention and paged decoding: fp16, int8,
+    # int4, fp8 and quant42 caches; head sizes 16 to 128), 56 tests. Its wrapper picks tiles, warps and stages
+    # from the compute capability it reads (sm_90 here), so under an emulated limit the sm_90 tiles meet a smaller
+    # GPU's shared memory. Run against the 0.18.0 wheel's Python files (site/, its shared objects left out; the
+    # pure-Python and cp312 dependencies installed there from whl/ on the GPU machine); the tests are those of the
+    # newest stored commit (0.16.0: the snapshot has no later tag), whose entry points 0.18.0 keeps
+    # (benchmarks/field_suites.md). Not in the default --suites.
+    Suite("lmdeploy", "lmdeploy/src", ("tests/pytorch/kernel/test_flash_attention.py",
+                                       "tests/pytorch/kernel/test_paged_attention.py"),
+          pythonpath=("lmdeploy/site",), default=False,
+          source="InternLM/lmdeploy tests/pytorch/kernel of the commit in .field/lmdeploy/COMMIT, against the "
+                 "lmdeploy 0.18.0 wheel's files"),
 )}
 
 PROBE_PLUGIN = '''\

@@ -4,6 +4,8 @@
 #   benchmarks/gpu_session.sh OUT [BASELINE_TREE] [FIELD_LIMITS] [FIELD_BUDGET_S]
 # Needs (carried, never committed): .whl/ (FlagGems, fla-core, Liger-Kernel and their missing
 # wheels), .field/ (their tests, vllm/ sources for the numerics; see benchmarks/field_suites.md).
+# SUITES (default fla,liger) picks the field suites; lmdeploy's wheels (.field/lmdeploy/whl) are installed into
+# its site/ first. COMPILES=0 skips the compiles per incident (no baseline tree carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="$1"; baseline="${2:-.field/smemguard-base}"; limits="${3:-T4}"; budget="${4:-300}"
@@ -18,15 +20,22 @@ PYTHONPATH=".:$PYTHONPATH" timeout 150 python3 benchmarks/launch_overhead.py --b
 step "GPU tests"
 PYTHONPATH=".:tests:$PYTHONPATH" timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 \
   | tee "$out/gpu_tests.txt" | tail -4
+if [ "${COMPILES:-1}" = 1 ]; then
 step "compiles per incident"
 timeout 240 python3 benchmarks/incident_compiles.py --tree "before=$baseline" --tree after=. \
   --json "$out/incident_compiles.json" 2>&1 | tail -7
+fi
 if [ -d .field/vllm ] && [ "${NUMERICS:-1}" = 1 ]; then
   step "vLLM pack numerics"
   PYTHONPATH=".:$PYTHONPATH" timeout 180 python3 benchmarks/vllm_pack_numerics.py .field/vllm --limit T4 2>&1 \
     | tee "$out/vllm_pack_numerics.txt" | tail -12
 fi
 step "field suites"
-timeout $((budget + 30)) python3 benchmarks/field_suites.py --smemguard . --suites fla,liger --modes "${MODES:-plain,observe,on}" \
+suites="${SUITES:-fla,liger}"
+case ",$suites," in *,lmdeploy,*)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target .field/lmdeploy/site .field/lmdeploy/whl/*.whl || echo "lmdeploy's wheels did not install";;
+esac
+timeout $((budget + 30)) python3 benchmarks/field_suites.py --smemguard . --suites "$suites" --modes "${MODES:-plain,observe,on}" \
   --limits "$limits" --workers 4 --jobs 4 --budget "$budget" --out "$out" 2>&1 | tail -14
 step "done"

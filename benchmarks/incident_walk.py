@@ -18,7 +18,8 @@ calls, is the GPU's part and left out (its function count is shown apart). For e
   files entered        smemguard files in which any code ran, in order of first entry; the smemguard modules
                        imported during the launch, and the top-level packages outside it
   functions            distinct functions run (code objects; comprehensions and module bodies not counted,
-                       so the number does not change with Python's inlining of comprehensions)
+                       so the number does not change with Python's inlining of comprehensions), and which ran
+                       in each file
   moves between files  calls and returns (a generator's yield and resume too) from a frame of one smemguard
                        file directly to a frame of another
   deepest stack        the most smemguard frames on the stack at once (comprehensions not counted), the
@@ -63,7 +64,7 @@ class Walk:
         self.package = package
         self.names: dict[str, str | None] = {}  # code file -> its path in the package (None: outside)
         self.files: dict[str, None] = {}  # in order of first entry
-        self.functions: set = set()
+        self.functions: dict = {}  # code -> its file in the package
         self.harness_functions: set = set()
         self.imported: dict[str, None] = {}
         self.moves = 0
@@ -116,14 +117,16 @@ class Walk:
         if code.co_name == "<module>":
             self.imported[self.name(frame)] = None
         elif code.co_name not in COMPREHENSIONS:
-            self.functions.add(code)
+            self.functions[code] = self.name(frame)
         if len(stack) > len(self.deepest):
             self.deepest = stack
         for module in twice(stack):
             self.reentered.setdefault(module, [f"{file}:{function}" for file, function in stack])
 
     def result(self) -> dict:
-        return {"files": list(self.files), "functions": len(self.functions), "moves": self.moves,
+        by_file = {file: sorted(getattr(code, "co_qualname", code.co_name) for code, name in self.functions.items()
+                                if name == file) for file in self.files}
+        return {"files": list(self.files), "functions": len(self.functions), "by_file": by_file, "moves": self.moves,
                 "deepest": [f"{file}:{function}" for file, function in self.deepest],
                 "deepest_modules": modules_of(self.deepest), "twice": twice(self.deepest),
                 "reentered": self.reentered, "imported": list(self.imported),
@@ -210,6 +213,7 @@ def show(walk: dict) -> None:
             ("imported during it", ", ".join(walk["imported"]) or "none"),
             ("  outside smemguard", ", ".join(walk["others"]) or "none"),
             ("functions", walk["functions"]),
+            *((f"  {file}", f"{len(names)}: {', '.join(names)}") for file, names in walk["by_file"].items()),
             ("moves between files", walk["moves"]),
             ("deepest stack", f"{len(walk['deepest'])} frames"),
             ("  modules in order", " > ".join(walk["deepest_modules"])),

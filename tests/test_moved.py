@@ -58,9 +58,9 @@ def test_a_name_no_module_had_still_fails_to_import():
         importlib.import_module("smemguard.no_such_module")
 
 
-def _imported_folders(path: Path) -> set[str]:
-    """The top folders of smemguard that the module at ``path`` imports (relative or absolute)."""
-    folders = set()
+def _imported_modules(path: Path) -> set[str]:
+    """The smemguard modules (``engine.steps``) and folders (``engine``) that the module at ``path`` imports."""
+    modules = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -71,9 +71,18 @@ def _imported_folders(path: Path) -> set[str]:
                 parts = node.module.split(".")[1:]
             else:
                 continue
-            names = [parts[0]] if parts else [alias.name for alias in node.names]
-            folders |= {name for name in names if name in LAYERS}
-    return folders
+            if len(parts) > 1:
+                modules.add(".".join(parts[:2]))
+            elif parts:
+                modules |= {f"{parts[0]}.{alias.name}" for alias in node.names}
+            else:
+                modules |= {alias.name for alias in node.names}
+    return modules
+
+
+def _imported_folders(path: Path) -> set[str]:
+    """The top folders of smemguard that the module at ``path`` imports (relative or absolute)."""
+    return {module.partition(".")[0] for module in _imported_modules(path)} & set(LAYERS)
 
 
 @pytest.mark.parametrize("folder", LAYERS)
@@ -90,3 +99,13 @@ def test_every_folder_of_the_package_ships_in_the_wheel():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")}
     assert folders - listed == set(), "a package folder a non-editable install would leave out"
+
+
+def test_patches_reach_the_engine_only_through_the_port():
+    """A patch is handed the engine (``patches.Port``: its entry points, settings, memory and the guard around its
+    own steps) and never imports the engine's modules; only the public wrapper API that libraries call themselves
+    (``smemguard.tile_choice`` and friends, ``engine.wrapper_tiles``) is imported, by the packs that declare with it."""
+    reached = {str(path.relative_to(PACKAGE)): sorted(module for module in _imported_modules(path)
+                                                      if module.startswith("engine."))
+               for path in sorted((PACKAGE / "patches").glob("*.py"))}
+    assert {path: modules for path, modules in reached.items() if set(modules) - {"engine.wrapper_tiles"}} == {}

@@ -16,6 +16,7 @@ import threading
 
 from ..facts import process
 from ..facts.settings import Settings
+from .steps import Steps
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class Engine:
         self.memory = Memory()
         self.compiling = process.engine_compiling
         self.closed = False
+
+    @staticmethod
+    def steps(subject: str) -> Steps:
+        """The guard around smemguard's own steps in handling one failure of ``subject`` (a kernel's name)."""
+        return Steps(subject)
 
     def __repr__(self) -> str:
         return f"<smemguard engine mode={self.settings.mode}{' closed' if self.closed else ''}>"

@@ -69,6 +69,10 @@ class Port(Protocol):
     #: seams then hand Triton's result on without asking the engine (a process-wide flag: test it, never call it)
     compiling: Any
 
+    def steps(self, subject: str) -> Any:
+        """The guard around a patch's own steps in handling one failure of ``subject``
+        (:class:`smemguard.engine.steps.Steps`: ``with steps.skippable(name):``, ``steps.failed`` for the record)."""
+
     def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
         """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or raises ``error``;
         ``again()`` runs the launch once more as it was asked."""

@@ -28,7 +28,6 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..engine.steps import Steps
 from ..facts import process
 from ..kernels.launch import Attempt
 from ..store import incidents
@@ -193,8 +192,11 @@ class TileChoice(Patch):
 
     def _retry(self, wrapped, args, kwargs, original):
         """Call again with halved tiles while the patch's kernel is the launch that does not fit."""
+        engine = self.engine
+        if engine is None:  # uninstalled while another tool's layer kept ours alive
+            raise original
         started = time.perf_counter()
-        steps = Steps(f"{self.module}:{self.kernel}")
+        steps = engine.steps(f"{self.module}:{self.kernel}")
         error, key, before, failed = original, None, None, []
         while True:
             launch = step = None

@@ -55,7 +55,6 @@ import logging
 import sys
 import time
 
-from ..engine.steps import Steps
 from ..facts import process
 from ..facts.versions import Supported
 from ..store import incidents
@@ -109,7 +108,7 @@ def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     return config
 
 
-def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: float, steps: Steps) -> list:
+def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: float, steps) -> list:
     device = process.current_device()
     limit = process.effective_limit(device)
     offered = []
@@ -128,7 +127,7 @@ def _offer_fitting(kind: str, configs: list, head_dim: int, dtype, started: floa
 
 
 def _report(kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int, started: float,
-            steps: Steps) -> None:
+            steps) -> None:
     key, engine = (kind, head_dim, str(dtype), device, limit, str(config)), PATCH.engine
     if engine is None:
         return
@@ -172,9 +171,10 @@ def _head_dim_and_dtype(wrapped, args, kwargs) -> tuple:
 def _wrapper(kind: str):
     def offer(wrapped, instance, args, kwargs):
         configs = wrapped(*args, **kwargs)
-        if PATCH.engine is None:  # uninstalled while another tool's layer kept ours alive
+        engine = PATCH.engine
+        if engine is None:  # uninstalled while another tool's layer kept ours alive
             return configs
-        started, steps = time.perf_counter(), Steps(f"FlexAttention {kind}")
+        started, steps = time.perf_counter(), engine.steps(f"FlexAttention {kind}")
         read = None
         with steps.skippable("read the heuristic's arguments"):
             read = _head_dim_and_dtype(wrapped, args, kwargs)
