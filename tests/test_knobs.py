@@ -96,6 +96,50 @@ def test_loops_that_follow_the_option_or_a_depth_parameter_are_told_from_fixed_o
     assert "num_stages=NUM_STAGES (a parameter with other uses, never changed)" in arithmetic.fixed_text()
 
 
+@triton.jit
+def _tile_of(x_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, stride_row: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    return tl.load(x_ptr + rows[:, None] * stride_row + tl.arange(0, COLS)[None, :])
+
+
+@triton.jit
+def _strides_as_constexprs(x_ptr, out_ptr, stride_x: tl.constexpr, stride_out: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr):
+    # LMDeploy's way: strides declared tl.constexpr beside the tiles; tiles sized in a helper and by an
+    # accumulator's shape
+    a = _tile_of(x_ptr, BLOCK_M, BLOCK_N // 2, stride_x)
+    b = _tile_of(x_ptr, BLOCK_N // 2, BLOCK_D, stride_x)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32) + SCALE
+    acc += tl.dot(a, b)
+    tl.store(out_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_out + tl.arange(0, BLOCK_D)[None, :], acc)
+
+
+@triton.jit
+def _block_pointer_tile(y_ptr, stride_y: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # read, never compiled here (Triton 3.9 removed block pointers)
+    block = tl.make_block_ptr(y_ptr, (64, 64), (stride_y, 1), (0, 0), (BLOCK_N, BLOCK_D), (1, 0))
+    tl.store(y_ptr, tl.sum(tl.load(block)))
+
+
+def test_the_parameters_that_size_a_block_are_the_tiles_not_the_strides():
+    assert knobs_of(_strides_as_constexprs).shapes == ("BLOCK_M", "BLOCK_N", "BLOCK_D")
+    assert knobs_of(_tile_of).shapes == ("ROWS", "COLS")
+    assert knobs_of(matmul_kernel).shapes == ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+    if hasattr(tl, "make_block_ptr"):
+        assert knobs_of(_block_pointer_tile).shapes == ("BLOCK_N", "BLOCK_D")
+
+
+def test_a_re_raise_names_the_tiles_a_wrapper_chose_not_its_constexpr_strides(install_guard, incident_log,
+                                                                              triton_cache):
+    x, out = torch.empty(64 * 64, dtype=torch.float16), torch.empty(64 * 64, dtype=torch.float32)
+    install_guard()
+    with fake_gpu(90, max_shared=1024, cache_dir=triton_cache), pytest.raises(OutOfResources) as raised:
+        _strides_as_constexprs[(1,)](x, out, 64, 64, 64, 64, 64, 2)
+    note = "\n".join(raised.value.__notes__)
+    assert "never changed: BLOCK_M=64, BLOCK_N=64, BLOCK_D=64 were chosen by" in note, "the tiles, no stride, no SCALE"
+    assert records(incident_log)[-1]["action"] == "reraised"
+
+
 def test_only_parameters_that_follow_an_option_are_lowered_with_it():
     depth = knobs_of(depth_parameter_matmul)
     assert depth.lowered_with({"num_stages": 2}, {"NUM_STAGES": 4, "BLOCK_K": 64}) == {"NUM_STAGES": 2}

@@ -482,19 +482,19 @@ def _tiles_chosen_by_the_caller(launch: Launch, attempts: list) -> str:
     """Why a plain kernel's launch is re-raised, naming who chose its tiles, what the best candidate still needs
     and the exact calls that would let it run here (issue 32: the class smemguard leaves to the caller)."""
     module, _, qualname = introspect.kernel_name(launch.jit).partition(":")
-    named = launch.named_args()
-    constexprs = launch.constexpr_names()
-    tiles = ", ".join(f"{param.name}={named[param.name]}" for param in launch.jit.params if param.name in constexprs
+    named, constexprs = launch.named_args(), launch.constexpr_names()
+    chosen = constexprs & set(parameters.knobs_of(launch.jit).shapes) or constexprs  # the tiles, not strides
+    tiles = ", ".join(f"{param.name}={named[param.name]}" for param in launch.jit.params if param.name in chosen
                       and isinstance(named.get(param.name), int) and not isinstance(named.get(param.name), bool))
     needed = [attempt.required for attempt in attempts if attempt.required]
     least = f"; the least any candidate needs is {min(needed)} B over {attempts[0].limit} B" if needed else ""
     site = introspect.launching_site()
     by = f" by {site}" if site else ""
-    parameters = ", ".join(param.name for param in launch.jit.params)
+    signature = ", ".join(param.name for param in launch.jit.params)
     grid = ("its grid is a function of the meta-parameters, so smemguard.register_alternatives"
             f"({module}.{qualname}, [triton.Config({{...smaller tiles...}})]) would be tried"
             if callable(launch.grid) else "the grid is a tuple the caller computed from them, so only the caller "
             "can choose smaller ones")
     return (f"tile sizes of a plain @triton.jit kernel are never changed: {tiles or 'its constexprs'} were chosen"
             f"{by}{least}; {grid}; or smemguard.register_fallback({module}.{qualname}, fn) with "
-            f"fn({parameters}) computing the same result in torch")
+            f"fn({signature}) computing the same result in torch")

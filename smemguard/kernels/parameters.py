@@ -14,6 +14,11 @@ resolves them) and gives each parameter one role:
 * :data:`OTHER`: anything else (arithmetic, shapes, masks, branches, stored values, a call smemguard
   cannot read): never changed.
 
+Apart from its role, a parameter may size a block (:attr:`Knobs.shapes`: it appears in ``tl.arange``'s bounds or in
+a block's shape, ``tl.zeros``, ``tl.full``, ``tl.reshape``, ``tl.broadcast_to``, ``tl.make_block_ptr``'s and
+``tl.make_tensor_descriptor``'s ``block_shape``, here or in a called jit function): those are the tiles a
+wrapper chose, which a record names when it leaves them to the caller (a stride passed as a constexpr is not one).
+
 It also lists the loops whose ``num_stages=`` is a literal or computed in the body: those keep their
 depth whatever recovery does. When no loop follows the option or a pipeline-depth parameter,
 fewer stages cannot lower the bytes (:meth:`Knobs.stages_futile`), and no candidate is compiled to
@@ -70,6 +75,7 @@ class Knobs:
     following_loops: int = 0  # loops pipelined by the launch option or by a pipeline-depth parameter
     fixed_loops: tuple = ()  # FixedLoop
     complete: bool = False  # every call and loop of the kernel was read
+    shapes: tuple = ()  # parameters that size a block (the tiles), in the order of the parameters
 
     def with_role(self, role: str) -> list[str]:
         return [name for name, found in self.roles.items() if found == role]
@@ -170,7 +176,8 @@ def _knobs_of(jit) -> Knobs:
         else:
             used_otherwise = " (a parameter with other uses, never changed)" if loop.kind == _PARAMETER else ""
             fixed.append(FixedLoop(loop.function, loop.line, loop.detail + used_otherwise))
-    return Knobs(roles, following, tuple(fixed), facts.complete)
+    shapes = tuple(name for name in facts.params if name in facts.shapes)
+    return Knobs(roles, following, tuple(fixed), facts.complete, shapes)
 
 
 # -- Reading one jit function -----------------------------------------------------------------
@@ -195,6 +202,7 @@ class _Facts:
     uses: dict  # parameter -> [use kinds]
     loops: list  # _Loop, in terms of this function's parameters
     complete: bool = True
+    shapes: set = field(default_factory=set)  # parameters that size a block
 
 
 def _role(uses: list) -> str:
@@ -279,6 +287,8 @@ class _Reader(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         callee = _resolve(node.func, self.scope)
+        for sizing in _block_shape_arguments(callee, node):
+            self.facts.shapes |= self.parameters_in(sizing)
         if _is_jit(callee):
             self.call_jit(node, callee)
         elif not (_is_triton_range(callee) or _is_library(callee) or _is_method_of_a_value(node.func, self.scope)):
@@ -290,6 +300,10 @@ class _Reader(ast.NodeVisitor):
                 self.use(keyword.value.id, _WARP_USE)
         self.generic_visit(node)
 
+    def parameters_in(self, node: ast.expr) -> set:
+        """This function's parameters read anywhere in ``node`` (``BLOCK_M // 2``, ``(BLOCK_M, BLOCK_N)``)."""
+        return {name.id for name in ast.walk(node) if isinstance(name, ast.Name) and name.id in self.facts.uses}
+
     def call_jit(self, node: ast.Call, callee) -> None:
         """What the callee does with each parameter of ours passed to it, and its loops in our terms."""
         facts = _read(callee, self.depth + 1) if self.depth < _MAX_DEPTH else None
@@ -300,6 +314,8 @@ class _Reader(ast.NodeVisitor):
         passed: dict[str, ast.expr] = dict(zip(facts.params, node.args))
         passed.update((k.arg, k.value) for k in node.keywords if k.arg in facts.params)
         roles = {name: _role(facts.uses.get(name, [])) for name in facts.params}
+        for name in facts.shapes & passed.keys():
+            self.facts.shapes |= self.parameters_in(passed[name])
         for name, value in passed.items():
             if isinstance(value, ast.Name) and value.id in self.facts.uses:
                 self.handled.add(id(value))
@@ -348,6 +364,25 @@ def _resolve(node: ast.expr, scope: _Scope):
     if node.id in fn.__globals__:
         return fn.__globals__[node.id]
     return getattr(builtins, node.id, None)
+
+
+#: Triton's functions that take a block's shape: the positions and keyword of the arguments that give it (None: every
+#: positional argument, ``tl.arange``'s bounds).
+_BLOCK_SHAPES = {"arange": (None, None), "zeros": ((0,), "shape"), "full": ((0,), "shape"),
+                 "reshape": ((1,), "shape"), "broadcast_to": ((1,), "shape"), "make_block_ptr": ((4,), "block_shape"),
+                 "make_tensor_descriptor": ((3,), "block_shape")}
+
+
+def _block_shape_arguments(callee, call: ast.Call) -> list:
+    """The arguments of ``call`` that give a block's shape, when ``callee`` is one of :data:`_BLOCK_SHAPES`."""
+    import triton.language as tl
+
+    name = next((name for name in _BLOCK_SHAPES if callee is not None and getattr(tl, name, None) is callee), None)
+    if name is None:
+        return []
+    positions, keyword = _BLOCK_SHAPES[name]
+    found = list(call.args) if positions is None else [call.args[i] for i in positions if i < len(call.args)]
+    return found + [item.value for item in call.keywords if item.arg == keyword]
 
 
 def _is_jit(obj) -> bool:
