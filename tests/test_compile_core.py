@@ -105,6 +105,33 @@ def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guar
     assert record["phase"] == "compile" and record["final"] == "num_stages=4"
 
 
+def test_the_next_process_times_the_stored_variant_and_chooses_as_the_first(incident_log, tmp_path, triton_cache):
+    """The autotuner of a process that shares the decision cache times the too-big config as the stored variant
+    that fits (compiled directly at 4 stages), as the core timed it in the first: the same choice, the same
+    kernel, no incident (it was refused in that benchmark before, so the next process chose the other config)."""
+    settings = Settings(log_path=incident_log, cache_dir=tmp_path / "decisions")  # the core on, as by default
+    launched, compiled, block_m = [], [], (matmul_kernel.arg_names.index("BLOCK_M"),)
+    for _ in range(2):
+        kernel = autotuned([config(128, 128, 64, 5), config(64, 64, 64, 2)])
+        assert smemguard.install(settings)
+        try:
+            with fake_gpu("L4", cache_dir=triton_cache) as gpu:
+                gpu.bench_ms = iter([1.0, 2.0] * 100).__next__  # the too-big config's variant times fastest
+                compiled.append([])
+                triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled[-1].append(
+                    (kw["compile"]["constants"].get(block_m), kw["compile"]["num_stages"])) and False
+                kernel[lambda meta: (4, 4)](*matmul_args(*operands()))
+        finally:
+            triton.knobs.runtime.jit_cache_hook = None
+            smemguard.uninstall()
+        launched.append((gpu.launches[-1].num_stages, gpu.launches[-1].shared))
+        assert float("inf") not in process.timings(kernel, next(iter(kernel.cache))).values()
+    assert launched == [(4, 98304), (4, 98304)], "the same config, the same variant"
+    if process.triton_release() >= (3, 5):
+        assert compiled[1] == [(128, 4), (64, 2)], "the stored variant compiled directly"
+        assert [record["remembered"] for record in records(incident_log)] == [False], "nothing overflowed"
+
+
 def test_a_cross_compile_is_left_as_compiled(install_guard, incident_log, triton_cache):
     """A compile for another arch is not for this device: no limit applies to it here."""
     install_guard(core=True)

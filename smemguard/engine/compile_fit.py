@@ -26,8 +26,9 @@ Rules, and why:
   the kernel that will run: the JIT caches the fitting variant under the config's own key, so a config
   chosen for its fewer-stage variant's time launches exactly what was timed. (Before the core, an
   overflowing config had to count as failed, since its launch would have raised; timing its variant instead
-  raises nothing and can only choose a faster kernel that fits.) A config the decision cache stores as
-  switched away from is still refused before compiling there (``patches/jit_compile``).
+  raises nothing and can only choose a faster kernel that fits.) The next process's benchmark times the stored
+  fitting variant (``patches/jit_compile`` compiles it directly), so it chooses as the first did; a config the
+  decision cache stores as switched away from is still refused before compiling there.
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
   compile variants that must be measured as they are: the core stands aside while one runs, and so does
   :func:`remembered_compile` (the compile seams test the engine's ``compiling``,
@@ -91,9 +92,11 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     """What the decision cache says of the variant Triton is about to compile from ``source`` (its
     ``ASTSource``) with ``options`` (Triton's parsed options; compile-time patch).
 
-    Option overrides to compile instead (fewer stages or warps), None when nothing applies. Raises
+    Option overrides to compile instead (fewer stages or warps), None when nothing applies: inside the autotuner's
+    benchmark too, which times each config as the kernel that will run, as the core fits it there (the first
+    process timed the fitting variant; refusing it in the next would make its autotuner choose otherwise). Raises
     the ``OutOfResources`` the variant would raise at its launch, without compiling it, where the
-    variant is stored as overflowing and compiling it gains nothing: inside the autotuner's
+    variant is stored as overflowing at any stage count and compiling it gains nothing: inside the autotuner's
     benchmark (which must see it fail, and does) and, when ``launching``, for a variant whose tuner
     switches to another config (:func:`smemguard.engine.recall.switch` applies it at the launch guard). Never while
     :data:`compiling_as_asked`.
@@ -108,7 +111,7 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     if entry is None:
         return None
     benchmarking = bool(process.benchmarking)
-    if table == "compile" and not benchmarking:
+    if table == "compile":
         why = options_problem(entry["options"], options.num_stages, options.num_warps,
                               getattr(options, "warp_size", 32))
         if why is not None:

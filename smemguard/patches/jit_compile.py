@@ -9,9 +9,9 @@ variant as recovery does (:func:`smemguard.store.decision_cache.variant_id`) and
 
 * fewer stages (or warps) fit: the remembered options are swapped in, and the kernel's
   pipeline-depth parameters lowered with them (:mod:`smemguard.kernels.parameters`), so the replacement is
-  compiled and cached under the original key and every launch of that variant runs it. Not inside
-  the autotuner's benchmarking (``Autotuner._bench``): there an overflowing config must fail, so
-  that the autotuner never prefers it;
+  compiled and cached under the original key and every launch of that variant runs it. Inside the
+  autotuner's benchmarking (``Autotuner._bench``) too: the config is timed as the kernel that will run, as the
+  compile-time core timed it in the process that decided;
 * another config of the tuner fits (or the autotuner is benchmarking the variant): the
   ``OutOfResources`` the variant's launch would raise is raised before compiling it. The
   autotuner's benchmark counts it as a failed config, as it would; the launch guard switches the
