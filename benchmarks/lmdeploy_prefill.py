@@ -4,7 +4,8 @@
 capability and the head size. For each GPU of the table, head sizes (q/k, v) and keys shared with values or not,
 one causal prefill of 256 tokens, 8 heads, fp16 is launched on ``smemguard.testing.fake_gpu`` (Triton compiles for
 that arch and limit, nothing executes), once in a process without smemguard and once in a process with
-``smemguard.install()`` (the default install). Each process has a Triton cache of its own.
+``smemguard.install()`` (the default install, with the pack ``patches/lmdeploy_flash_attention``). Each process has a
+Triton cache of its own. ``BLOCK_M`` is read from the launch's grid, ``(cdiv(256, BLOCK_M), 8, 1)``.
 
     python benchmarks/lmdeploy_prefill.py [--json PATH]
 
@@ -56,7 +57,8 @@ def worker(guarded: bool) -> list[dict]:
             try:
                 attention.flash_attn_varlen_func(q, k, v, starts, starts, TOKENS, TOKENS, causal=True)
                 launch = device.launches[-1]
-                outcome = {"fits": True, "num_stages": launch.num_stages, "shared": launch.shared}
+                outcome = {"fits": True, "num_stages": launch.num_stages, "shared": launch.shared,
+                           "block_m": TOKENS // launch.grid[0]}  # the grid is (cdiv(tokens, BLOCK_M), heads, 1)
             except OutOfResources as error:
                 outcome = {"fits": False, "required": error.required}
         results.append({"gpu": gpu, "head_dim": head_dim, "head_dim_v": head_dim_v, "shared_kv": shared, **outcome})
@@ -89,10 +91,10 @@ def main() -> None:
 
     plain, guarded = run(False), run(True)
     print(f"LMDeploy prefill on the CPU harness · torch {torch.__version__} · triton {triton.__version__}")
-    print(f"{'gpu':8} {'head q/k, v':>12} {'shared kv':>9}  {'without smemguard':<26} with smemguard")
+    print(f"{'gpu':8} {'head q/k, v':>12} {'shared kv':>9}  {'without smemguard':<38} with smemguard")
     for before, after in zip(plain, guarded):
         dims = f"{before['head_dim']}, {before['head_dim_v']}"
-        print(f"{before['gpu']:8} {dims:>12} {str(before['shared_kv']):>9}  {describe(before):<26} {describe(after)}")
+        print(f"{before['gpu']:8} {dims:>12} {str(before['shared_kv']):>9}  {describe(before):<38} {describe(after)}")
     failing = [after for before, after in zip(plain, guarded) if not before["fits"]]
     broken = sum(before["fits"] and not after["fits"] for before, after in zip(plain, guarded))
     print(f"{len(plain)} cases: {len(failing)} do not fit without smemguard, {sum(a['fits'] for a in failing)} "
@@ -103,7 +105,7 @@ def main() -> None:
 
 def describe(outcome: dict) -> str:
     if outcome["fits"]:
-        return f"num_stages={outcome['num_stages']}, {outcome['shared']} B"
+        return f"BLOCK_M={outcome['block_m']} num_stages={outcome['num_stages']}, {outcome['shared']} B"
     return f"OutOfResources {outcome['required']} B"
 
 

@@ -123,6 +123,20 @@ STAND_INS = {
             def run(self, *args, **kwargs):
                 return self.fn.run(*args, **kwargs)
         """),
+    "lmdeploy/__init__.py": "__version__ = '0.18.0'\n",
+    "lmdeploy/pytorch/__init__.py": "",
+    "lmdeploy/pytorch/kernels/__init__.py": "",
+    "lmdeploy/pytorch/kernels/cuda/__init__.py": "",
+    "lmdeploy/pytorch/kernels/cuda/flashattention.py": textwrap.dedent("""
+        import triton
+        from triton.language import constexpr
+
+        @triton.jit
+        def _flash_prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, causal: constexpr, window_size: constexpr,
+                                      shared_kv: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                                      BLOCK_DK: constexpr, BLOCK_DK1: constexpr, BLOCK_DV: constexpr):
+            pass
+        """),
     "flag_gems/ops/__init__.py": "",
     "flag_gems/ops/mm.py": "from kernels import matmul_kernel as mm_kernel_general\n",
 }
@@ -166,7 +180,7 @@ def test_the_module_declares_the_contract(name):
 
 
 #: Modules that register with the engine (fallbacks, alternatives, tuner descriptions) and layer nothing.
-REGISTERS_ONLY = ("flaggems", "vllm_batch_invariant", "vllm_prefix_prefill")
+REGISTERS_ONLY = ("flaggems", "vllm_batch_invariant", "vllm_prefix_prefill", "lmdeploy_flash_attention")
 #: Modules whose target is a setting (a value): nothing, theirs or another tool's, can layer over it.
 SETTINGS = ("inductor_cache_key",)
 

@@ -48,6 +48,7 @@ MODULES = (
     "vllm_prefix_prefill",
     "sglang_extend_attention",
     "sglang_prefill_attention",
+    "lmdeploy_flash_attention",
     "inductor_static_launcher",
     "inductor_launchers",
     "inductor_flex_configs",

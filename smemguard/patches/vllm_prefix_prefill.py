@@ -17,8 +17,8 @@ order of floating-point additions in the online softmax. Alternatives stay at 16
 largest first, and only for a launch whose grid is a callable.
 
 What it does: registers those alternatives with :func:`smemguard.register_alternatives` when
-``vllm.v1.attention.ops.prefix_prefill`` is imported. ``_fwd_kernel_alibi`` is not given any:
-its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
+``vllm.v1.attention.ops.prefix_prefill`` is imported (``patches._alternative_tiles``). ``_fwd_kernel_alibi`` is
+not given any: its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
 head size 128 it needs 65536 B on sm_75, which fits a T4.
 
 In every vLLM release checked (``vllm/v1/attention/ops/prefix_prefill.py``), the
@@ -29,52 +29,14 @@ addressing, which does not involve either tile.
 
 from __future__ import annotations
 
-import logging
-import sys
-
 from ..facts.versions import Supported
-from ..kernels import registry
-from . import Patch, Registration
-
-log = logging.getLogger(__name__)
+from ._alternative_tiles import AlternativeTiles
 
 TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
-KERNEL = "_fwd_kernel"
-CHECKED = ("0.32.0", "0.33.0", "0.34.0")
 
-#: (BLOCK_M, BLOCK_N), largest first; the wrapper's own is (128, 64).
-TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
-_EXPECTED_PARAMS = {"BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out"}
-
-_alternatives = Registration(registry.register_alternatives, registry.unregister_alternatives,
-                             registry.alternatives_for)
-
-
-def alternatives() -> list:
-    import triton
-
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=1) for m, n in TILES]
-
-
-def _imported_kernel():
-    kernel = getattr(sys.modules.get(TARGET_MODULE), KERNEL, None)
-    return kernel if hasattr(kernel, "arg_names") else None  # vLLM builds without a usable Triton: a plain function
-
-
-def _give_alternatives(engine) -> None:
-    kernel = _imported_kernel()
-    if kernel is not None:
-        _alternatives.add(f"{TARGET_MODULE}.{KERNEL}", kernel, _EXPECTED_PARAMS, alternatives(),
-                          checked=f"vLLM {CHECKED[-1]}")
-
-
-def _present() -> bool:
-    kernel = _imported_kernel()
-    registered = registry.alternatives_for(kernel) if kernel is not None else ()
-    return [dict(config.kwargs) for config in registered] == [{"BLOCK_M": m, "BLOCK_N": n} for m, n in TILES]
-
-
-PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{KERNEL}", modules=(TARGET_MODULE,),
-              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=CHECKED,
-              observe_safe=True,  # registers alternatives only: in observe mode the engine records and re-raises anyway
-              apply=_give_alternatives, remove=_alternatives.clear, present=_present)
+PATCH = AlternativeTiles(__name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"),
+                         checked=("0.32.0", "0.33.0", "0.34.0"), module=TARGET_MODULE, kernel="_fwd_kernel",
+                         params=frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out"}),
+                         # largest first; the wrapper's own is (128, 64)
+                         tiles=((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)), num_warps=4, num_stages=1,
+                         library="vLLM")
