@@ -24,12 +24,13 @@ class AlternativeTiles(Patch):
 
     def __init__(self, name: str, *, supported, checked: tuple[str, ...], module: str, kernel: str,
                  params: frozenset, tiles: tuple, num_warps: int, num_stages: int, library: str):
-        super().__init__(name, target=f"{module}.{kernel}", modules=(module,), supported=supported, checked=checked,
-                         observe_safe=True, apply=self._register, remove=self._clear, present=self._present)
-        self.module, self.kernel, self.params, self.tiles = module, kernel, params, tiles
-        self.num_warps, self.num_stages, self._library = num_warps, num_stages, library
         self._registration = Registration(registry.register_alternatives, registry.unregister_alternatives,
                                           registry.alternatives_for)
+        super().__init__(name, target=f"{module}.{kernel}", modules=(module,), supported=supported, checked=checked,
+                         observe_safe=True, apply=self._register, remove=self._registration.clear,
+                         present=self._present)
+        self.module, self.kernel, self.params, self.tiles = module, kernel, params, tiles
+        self.num_warps, self.num_stages, self._library = num_warps, num_stages, library
 
     def alternatives(self) -> list:
         """The ``triton.Config`` of each tile, as registered."""
@@ -47,9 +48,6 @@ class AlternativeTiles(Patch):
         if kernel is not None:
             self._registration.add(f"{self.module}.{self.kernel}", kernel, self.params, self.alternatives(),
                                    checked=f"{self._library} {self.checked[-1]}")
-
-    def _clear(self) -> None:
-        self._registration.clear()
 
     def _present(self) -> bool:
         kernel = self._imported_kernel()
