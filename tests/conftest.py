@@ -96,3 +96,17 @@ def run_python(code: str, env: dict | None = None, check: bool = True) -> subpro
     if check and result.returncode != 0:
         raise AssertionError(f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+#: Sources whose records have no launch behind them (docs/INCIDENTS.md, "Fields by phase").
+NO_LAUNCH = ("CachingAutotuner", "torch.compile")
+
+
+@pytest.fixture
+def records_name_their_launch(incident_log):
+    """After the test: every record of a Triton kernel in ``incident_log`` names the launch behind it (``args`` and
+    ``grid``) or, where no launch caused it, what the compile was given (``signature``): replayable."""
+    yield
+    for record in records(incident_log):
+        if "device" in record and record["launched_as"] not in NO_LAUNCH:
+            assert {"args", "grid"} <= set(record) or "signature" in record, record

@@ -102,7 +102,9 @@ def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guar
     assert set(timings) == {str(too_big), str(fits)} and float("inf") not in timings.values()
     assert (gpu.launches[-1].num_stages, gpu.launches[-1].shared) == (4, 98304), "the timed variant runs"
     [record] = records(incident_log)
-    assert record["phase"] == "compile" and record["final"] == "num_stages=4"
+    assert record["phase"] == "autotune" and record["final"] == "num_stages=4"
+    assert record["config"] == "BLOCK_M=128 BLOCK_N=128 BLOCK_K=64 num_warps=4 num_stages=5", "the config timed"
+    assert record["grid"] == [4, 4] and record["args"]["a_ptr"]["shape"] == [256, 256]
 
 
 def test_the_next_process_times_the_stored_variant_and_chooses_as_the_first(incident_log, tmp_path, triton_cache):

@@ -24,7 +24,7 @@ from smemguard.testing import fake_gpu
 
 from conftest import records, run_python
 
-pytestmark = pytest.mark.flaggems
+pytestmark = [pytest.mark.flaggems, pytest.mark.usefixtures("records_name_their_launch")]
 
 HOPPER_MM = "hopper.ops.mm"  # FlagGems imports its arch package as "hopper", with its folder on sys.path
 L20_ON_HOPPER = dict(gpu=90, max_shared=101376)  # an H200 emulating an L20's limit

@@ -9,17 +9,19 @@ import pytest
 
 import smemguard
 from smemguard.store import incidents, metrics
-from smemguard.cli import replay, report
+from smemguard.cli import rebuild, replay, report
 from smemguard.store import record_fields
 from smemguard.store.record_fields import FIELDS, LABEL, NEEDED, READ, SHOWN
 
 PACKAGE = Path(smemguard.__file__).parent
 DOCS = PACKAGE.parent / "docs" / "INCIDENTS.md"
 DECLARED = {field.name for field in FIELDS}
-READERS = {"report": report, "replay": replay, "metrics": metrics}
-#: Where each source builds its own fields (``extras``).
+READERS = {"report": (report,), "replay": (replay, rebuild), "metrics": (metrics,)}
+#: Where each source builds its own fields (``extras``), or the function whose returned dict they are.
 SOURCES = {
-    record_fields.LAUNCH: "store/incidents.py",
+    record_fields.LAUNCH: "engine/records.py",
+    record_fields.DESCRIBED_LAUNCH: ("kernels/recorded.py", "launch_fields"),
+    record_fields.DESCRIBED_COMPILE: ("kernels/recorded.py", "compile_fields"),
     record_fields.COMPILE: "engine/compile_fit.py",
     record_fields.INDUCTOR: "engine/inductor.py",
     record_fields.FLEX: "patches/inductor_flex_configs.py",
@@ -52,10 +54,10 @@ def _is_a_record(node: ast.AST) -> bool:
         isinstance(node, ast.Attribute) and node.attr == "fields")
 
 
-def fields_read_in(module) -> set[str]:
-    """The field names a module's code reads from a record by name: ``record["x"]``, ``record.get("x")``."""
+def fields_read_in(modules) -> set[str]:
+    """The field names the modules' code reads from a record by name: ``record["x"]``, ``record.get("x")``."""
     found = set()
-    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+    for node in (node for module in modules for node in ast.walk(ast.parse(Path(module.__file__).read_text()))):
         if isinstance(node, ast.Subscript):
             target, key = node.value, node.slice
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
@@ -67,10 +69,17 @@ def fields_read_in(module) -> set[str]:
     return found
 
 
-def extras_written_in(path: Path) -> set[str]:
-    """The keys of the dict literals a module passes as a record's ``extras``, assigns to ``extras`` or adds to it."""
+def extras_written_in(source) -> set[str]:
+    """The keys of the dict literals a module passes as a record's ``extras``, assigns to ``extras`` or adds to it;
+    for (path, function), those of the dict literals the function returns."""
+    path, function = source if isinstance(source, tuple) else (source, None)
+    tree = ast.parse((PACKAGE / path).read_text())
+    if function is not None:
+        [definition] = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == function]
+        return {key.value for node in ast.walk(definition) if isinstance(node, ast.Return)
+                and isinstance(node.value, ast.Dict) for key in node.value.keys if isinstance(key, ast.Constant)}
     dicts = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == "extras":
             dicts.append(node.value)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -99,7 +108,7 @@ def test_the_docs_tables_name_exactly_the_declared_fields():
 
 @pytest.mark.parametrize("reader", ["report", "replay"])
 def test_a_readers_checks_are_of_the_fields_declared_for_it(reader):
-    module = READERS[reader]
+    module = READERS[reader][0]
     assert set(module.REQUIRED) == set(record_fields.fields_read_by(reader, NEEDED))
     assert set(module.OPTIONAL) == set(record_fields.fields_read_by(reader, READ))
     assert list(module.CHECKS) == [*module.REQUIRED, *module.OPTIONAL]  # the order problems are listed in
@@ -107,7 +116,7 @@ def test_a_readers_checks_are_of_the_fields_declared_for_it(reader):
 
 @pytest.mark.parametrize("reader", ["report", "replay"])
 def test_a_check_beyond_the_declaration_or_a_declared_field_unchecked_is_refused(reader):
-    checks = READERS[reader].CHECKS
+    checks = READERS[reader][0].CHECKS
     with pytest.raises(ValueError, match="beyond the fields"):
         record_fields.required_and_optional(reader, {**checks, "not_declared": checks["kernel"]})
     with pytest.raises(ValueError, match=r"lacks checks of \['kernel'\]"):
@@ -122,15 +131,15 @@ def test_the_metrics_labels_are_the_fields_declared_as_labels_in_the_series_orde
 
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_a_reader_reads_by_name_only_the_fields_declared_for_it(reader):
-    module = READERS[reader]
-    read = fields_read_in(module) | set(getattr(module, "LABEL_FIELDS", ()))
+    modules = READERS[reader]
+    read = fields_read_in(modules) | set(getattr(modules[0], "LABEL_FIELDS", ()))
     assert read == declared_for(reader)
 
 
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_a_source_writes_the_fields_declared_as_its_own(source):
     declared = {field.name for field in FIELDS if source in field.written_by}
-    assert extras_written_in(PACKAGE / SOURCES[source]) == declared
+    assert extras_written_in(SOURCES[source]) == declared
 
 
 @pytest.mark.parametrize("device", [None, 0], ids=["deepgemm", "triton"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from smemguard.store import decision_cache, incidents
+from smemguard.store import decision_cache
 from smemguard import guard
 from smemguard.engine import ladder, recall, recovery
 from smemguard.kernels import launch
@@ -53,7 +53,7 @@ PLAIN_KERNEL_STEPS = [
     ("compile the failing launch", launch.Launch, "compile", failing_once, "raised"),
     ("check the kernel in the JIT cache", recovery, "check", failing_once, "recovered"),
     ("find the case", recovery.Decided, "case_for", failing_once, "recovered"),
-    ("describe the arguments", incidents, "described_args", failing_once, "recovered"),
+    ("describe the arguments", recovery, "described_args", failing_once, "recovered"),
     ("open the decision store", decision_cache, "store", always_failing, "recovered"),
     ("key the stored decisions", decision_cache, "cases_for", always_failing, "recovered"),
     ("decide", ladder, "decide", failing_once, "raised"),

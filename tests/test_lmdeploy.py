@@ -27,7 +27,7 @@ from conftest import records
 attention = pytest.importorskip("lmdeploy.pytorch.kernels.cuda.flashattention",
                                 reason="LMDeploy is not installed (CI stage '4' installs it with Triton 3.6)")
 
-pytestmark = pytest.mark.lmdeploy
+pytestmark = [pytest.mark.lmdeploy, pytest.mark.usefixtures("records_name_their_launch")]
 
 TOKENS, HEADS = 256, 8
 CAPABILITY = {"RTX5090": (12, 0), "L4": (8, 9), "A100": (8, 0), "T4": (7, 5)}

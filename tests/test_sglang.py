@@ -22,7 +22,7 @@ extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention",
 prefill = pytest.importorskip("sglang.kernels.ops.attention.prefill_attention",
                               reason="SGLang is not installed (CI stage '1b' installs it)")
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("records_name_their_launch")]
 
 BATCH, TOKENS, PREFIX, HEADS = 2, 64, 32, 16
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("records_name_their_launch")]
 
 import smemguard  # noqa: E402
 from smemguard.kernels import registry  # noqa: E402

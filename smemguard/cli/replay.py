@@ -1,21 +1,27 @@
-"""``smemguard replay``: rebuild a recorded launch from its incident record alone and run it again.
+"""``smemguard replay``: rebuild the launch or compile behind an incident record from the record alone and run it
+again, then what smemguard did about it.
 
-The kernel is imported by the record's ``module:qualname``; tensors get the recorded shapes,
-strides, dtypes and 16-byte alignment, filled with random values; scalars and constexprs are
-as recorded; the failing config (constexprs, ``num_warps``, ``num_stages``) is launched
-directly on the JIT function with the recorded grid.
+The kernel is imported by the record's ``module:qualname``. A record of a launch (``args`` and ``grid``: every path
+records them where a launch caused the incident) gets tensors with the recorded shapes, strides, dtypes and 16-byte
+alignment, filled with random values, and the failing config (constexprs, ``num_warps``, ``num_stages``) is
+launched directly on the JIT function with the recorded grid. A record of a compile no launch caused (a warm-up's
+placeholders, Inductor's precompile, ``smemguard check``) has Triton's ``signature`` and ``specialization``
+instead: stand-ins Triton specializes the same way are compiled, and replay says that no tensors were recorded.
 
-* With a GPU: the recorded limit is emulated; the original ``OutOfResources`` is reproduced
-  (``SMEMGUARD=observe``), then smemguard recovers the launch, and the recovered output is
-  compared with the original config run without emulation, where this GPU can hold it.
-* Without a GPU: the launch is compiled for the recorded arch on a stand-in device with the
-  recorded limit (:func:`smemguard.testing.fake_gpu`), printing the required bytes of the
-  recorded config and of every candidate smemguard tries.
+* With a GPU and a launch record: the recorded limit is emulated; the original ``OutOfResources`` is reproduced
+  (``SMEMGUARD=observe``), then smemguard recovers the launch, and the recovered output is compared with the
+  original config run without emulation, where this GPU can hold it.
+* Otherwise: the launch is compiled for the recorded arch on a stand-in device with the recorded limit
+  (:func:`smemguard.testing.fake_gpu`), printing the required bytes of the recorded config and of every candidate
+  smemguard tries.
+
+A decision that changed tiles (another config of a tuner, registered alternatives, a wrapper's smaller tiles) is
+replayed as decided: the config the record names as ``final`` is compiled where the failing one was, and must fit.
+A re-raised record replays as recorded when smemguard still cannot recover it.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import tempfile
@@ -25,14 +31,11 @@ from typing import Callable
 
 from ..facts import gpus, untrusted
 from ..facts.settings import Settings
-from ..facts.untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
-from ..kernels import introspect
+from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, one_of, printable, shown
 from ..store import decision_cache, record_fields
+from . import rebuild
+from .rebuild import COMPILING, MAX_GRID, MAX_INT, ReplayError, bounded, bounded_list
 from .report import Problems, Record, read
-
-
-class ReplayError(Exception):
-    """The record cannot be replayed here; the message says why and what to do."""
 
 
 def load(path: Path, problems: Problems, index: int | None = None, kernel: str | None = None) -> Record:
@@ -63,69 +66,34 @@ def load(path: Path, problems: Problems, index: int | None = None, kernel: str |
     raise ReplayError(f"{shown_path}: --index {index} out of range; it holds {count} records (0 to {count - 1})")
 
 
-def _kernel_name(value) -> bool:
-    module, _, qualname = value.partition(":") if isinstance(value, str) else ("", "", "")
-    return all(part.isidentifier() for part in (*module.split("."), *qualname.split(".")))
-
-
-def _dtype(name: str):
-    import torch
-
-    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _bounded(most: int, least: int = 0) -> Expect:
-    return Expect(f"an integer from {least} to {most}", lambda value: integer(least).test(value) and value <= most)
-
-
-def _bounded_list(most: int, least: int = 0, lengths: range = range(0, 9)) -> Expect:
-    each = _bounded(most, least)
-    return Expect(f"a list of {lengths.start} to {lengths.stop - 1} integers from {least} to {most}", lambda value: (
-        isinstance(value, list) and len(value) in lengths and all(each.test(v) for v in value)))
-
-
-#: Bounds of what a record may ask replay to build: sizes and strides of a tensor (2**40), the
-#: bytes it spans (16 GiB), a grid (CUDA's 2**31 - 1), stages and warps (as a stored decision).
-MAX_EXTENT = 2**40
-MAX_TENSOR_BYTES = 16 * 2**30
-MAX_GRID = 2**31 - 1
-MAX_INT = 2**63 - 1
-#: Where tensors are built when the launch is only compiled: the meta device keeps shapes, strides, dtypes and the
-#: recorded alignment (the pointers Triton specializes on), with no memory behind them, so a record of three
-#: 16 GiB tensors replays in the memory of a small one.
-COMPILING = "meta"
-
-TENSOR = {"shape": _bounded_list(MAX_EXTENT), "stride": _bounded_list(MAX_EXTENT),
-          "dtype": Expect("a torch dtype such as torch.float16", lambda value: _dtype(value) is not None
-                          and _itemsize(_dtype(value)) is not None),
-          "ptr_mod_16": Expect("an integer from 0 to 15", lambda value: integer(0).test(value) and value < 16)}
-DESCRIPTOR = {"base": OBJECT, "shape": _bounded_list(MAX_EXTENT), "strides": _bounded_list(MAX_EXTENT),
-              "block_shape": _bounded_list(2**16, 1)}
-_SCALAR = Expect("a number (a 64-bit integer), true/false, text or null", lambda value: SCALAR.test(value) and (
-    not isinstance(value, int) or -MAX_INT - 1 <= value <= MAX_INT))
-
 #: How replay checks each field it reads from a record; record_fields.FIELDS says which a record must have.
-#: ``args`` entries are checked by :func:`_argument_problems`.
+#: ``args`` entries are checked by :func:`rebuild.argument_problems`.
 CHECKS = {
-    "kernel": Expect("module:qualname of a Triton kernel", _kernel_name),
-    "args": OBJECT,
-    "constexprs": Expect("an object of constexpr values (64-bit integers, numbers, text, true/false or null)",
-                         lambda value: isinstance(value, dict) and all(_SCALAR.test(v) for v in value.values())),
-    "grid": _bounded_list(MAX_GRID, 0, range(1, 4)),
+    "kernel": Expect("module:qualname of a Triton kernel", rebuild.kernel_name),
     "num_warps": Expect(f"a power of two from 1 to {decision_cache.MAX_WARPS}",
                         lambda value: decision_cache.power_of_two(value, decision_cache.MAX_WARPS)),
-    "num_stages": _bounded(decision_cache.MAX_STAGES),
+    "num_stages": bounded(decision_cache.MAX_STAGES),
+    "constexprs": Expect("an object of constexpr values (64-bit integers, numbers, text, true/false or null)",
+                         lambda value: isinstance(value, dict) and all(rebuild.SCALAR_VALUE.test(v)
+                                                                        for v in value.values())),
     "config": TEXT,
     "action": NAME,
     "resource": NAME,
-    "required": _bounded(MAX_INT),
-    "limit_hit": _bounded(MAX_INT, 1),
+    "required": bounded(MAX_INT),
+    "limit_hit": bounded(MAX_INT, 1),
     "device": OBJECT,
     "id": TEXT,
-    "source": TEXT,
+    "launched_as": TEXT,
+    "final": TEXT.or_null(),
     "limit": Expect("an object {device, emulated} of byte counts", lambda value: isinstance(value, dict) and all(
-        _bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))),
+        bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))),
+    "source": TEXT,
+    "grid": bounded_list(MAX_GRID, 0, range(1, 4)),
+    "args": OBJECT,
+    "signature": Expect("an object of Triton types by parameter name", lambda value: isinstance(value, dict) and all(
+        isinstance(kind, str) and len(kind) <= 64 for kind in value.values())),
+    "specialization": Expect("an object of \"div16\", \"==1\" or \"\" by parameter name", lambda value: (
+        isinstance(value, dict) and all(spec in rebuild.SPECIALIZATIONS for spec in value.values()))),
 }
 REQUIRED, OPTIONAL = record_fields.required_and_optional("replay", CHECKS)
 
@@ -139,51 +107,14 @@ DEVICE = {"backend": one_of("cuda", "hip"), "arch": Expect(
     "an arch of the GPUs in 'smemguard gpus' (" + ", ".join(dict.fromkeys(str(gpu.target_arch) for gpu in gpus.GPUS))
     + ")", _known_arch)}
 
-
-def _tensor_problems(spec: dict, where: str) -> list[str]:
-    found = untrusted.problems(spec, TENSOR, prefix=where + ".")
-    if found:
-        return found
-    if len(spec["shape"]) != len(spec["stride"]):
-        return [f"{where!r} has {len(spec['shape'])} sizes and {len(spec['stride'])} strides"]
-    itemsize = _itemsize(_dtype(spec["dtype"]))
-    if spec["ptr_mod_16"] % itemsize:
-        return [f"{where!r}: a {printable(spec['dtype'])} tensor cannot start {spec['ptr_mod_16']} bytes past a "
-                "16-byte boundary"]
-    if _span(spec) * itemsize > MAX_TENSOR_BYTES:
-        return [f"{where!r} spans more than {MAX_TENSOR_BYTES // 2**30} GiB"]
-    return []
-
-
-def _itemsize(dtype) -> int | None:
-    """Bytes per element of a dtype Triton takes (None for complex and other dtypes it has no type for)."""
-    import torch
-
-    if dtype.is_complex or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
-        return None
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _span(spec: dict) -> int:
-    """Elements from the first to the last one a tensor view reaches."""
-    shape, stride = spec["shape"], spec["stride"]
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
-
-
-def _argument_problems(name: str, value) -> list[str]:
-    where = f"args.{name}"
-    if isinstance(value, dict) and value.get("descriptor"):
-        found = untrusted.problems(value, DESCRIPTOR, prefix=where + ".")
-        return found or _tensor_problems(value["base"], where + ".base")
-    if isinstance(value, dict):
-        return _tensor_problems(value, where)
-    if isinstance(value, str):
-        return [f"{where!r} is {shown(value)}: the record kept this argument as text (smemguard records objects "
-                "it cannot describe that way), and replay cannot rebuild it"]
-    if not SCALAR.test(value):
-        return [f"{where!r} is {shown(value)}, expected a tensor {{shape, stride, dtype, ptr_mod_16}}, a TMA "
-                "descriptor or a number"]
-    return []
+#: Why a record of each source has neither the launch (``args``, ``grid``) nor the compile (``signature``) behind
+#: it, by its ``launched_as``; a record of any other source lacks them only if damaged.
+NO_LAUNCH = {
+    "torch.compile": "FlexAttention's tiles were chosen before Inductor rendered the kernel: no kernel was compiled "
+                     "for it; run the compiled program again under the recorded limit (SMEMGUARD_MAX_SHARED)",
+    "CachingAutotuner": "a torch.compile kernel: Inductor compiled and loaded it itself, with no launch; run the "
+                        "compiled program again under the recorded limit (SMEMGUARD_MAX_SHARED)",
+}
 
 
 def check(record) -> list[str]:
@@ -193,107 +124,70 @@ def check(record) -> list[str]:
     found = untrusted.problems(record, REQUIRED, OPTIONAL)
     if isinstance(record.get("device"), dict):
         found += untrusted.problems(record["device"], DEVICE, prefix="device.")
-    if isinstance(record.get("args"), dict):
-        for name, value in record["args"].items():
-            found += _argument_problems(name, value)
-    return found
+    arguments = [line for name, value in record["args"].items() for line in rebuild.argument_problems(name, value)] \
+        if isinstance(record.get("args"), dict) else []
+    if found or arguments and "signature" not in record:
+        return found + arguments
+    if _launched(record):
+        return []
+    if "signature" in record and "specialization" in record:
+        return rebuild.specialization_problems(record)
+    why = NO_LAUNCH.get(record.get("launched_as")) or ("a record names the launch behind it (args and grid) or, "
+                                                       "where no launch caused it, the compile (signature and "
+                                                       "specialization): this one is damaged")
+    missing = [name for name in ("args", "grid") if name not in record] or ["signature", "specialization"]
+    return [f"no {name!r} field ({CHECKS[name].what}); {why}" for name in missing]
 
 
-def import_kernel(name: str):
-    """The object at ``module:qualname`` and the JIT function under it."""
-    module_name, _, qualname = name.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except (Exception, SystemExit) as error:
-        raise ReplayError(f"cannot import module {module_name!r} named by the record's kernel {name!r} "
-                          f"({type(error).__name__}: {printable(str(error))}). Run replay where that module is "
-                          "importable (same environment, PYTHONPATH).") from None
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ReplayError(f"module {module_name!r} has no {qualname!r} (the record's kernel {name!r})")
-    jit = introspect.jit_function(obj)
-    if jit is None:
-        raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
-    return obj, jit
+def _launched(record: dict) -> bool:
+    """Whether the record holds a launch replay can rebuild (its tensors, scalars and grid), not only the compile
+    (a warm-up's placeholders are kept as text: its signature replays instead)."""
+    if "args" not in record or "grid" not in record:
+        return False
+    rebuildable = not any(rebuild.argument_problems(name, value) for name, value in record["args"].items())
+    return rebuildable or "signature" not in record
 
 
-def _parameter_problems(jit, record: dict) -> list[str]:
-    """The record's arguments against the kernel's parameters (the kernel may have changed since)."""
-    given = {*record["args"], *record["constexprs"]}
-    unknown = sorted(given - set(jit.arg_names))
-    missing = [param.name for param in jit.params if param.name not in given and not param.has_default]
-    found = []
-    if unknown:
-        found.append(f"the record names {', '.join(map(shown, unknown))}, which the kernel has no parameter for")
-    if missing:
-        found.append(f"the record has no value for the kernel's {', '.join(missing)}")
+def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
+    """Run ``record`` again; ``say`` prints each step. Returns the exit status (0: reproduced and
+    smemguard did as recorded, or nothing to reproduce; 1: not as recorded). ReplayError when it cannot be
+    replayed."""
+    import torch
+
+    found = check(record)
     if found:
-        found.append("the kernel's source is not the one the record was written for (source_hash "
-                     f"{shown(record.get('source_hash'))}); replay it where that version is installed")
-    return found
+        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
+    obj, jit = rebuild.import_kernel(record["kernel"])
+    launched = _launched(record)
+    recorded = record["args"] if launched else rebuild.stand_ins(record)
+    found = rebuild.parameter_problems(jit, record, {*recorded, *record["constexprs"]})
+    if found:
+        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
+    limit = limit or record["limit_hit"]
+    say(f"record {printable(record.get('id', '?'))}: {record['kernel']} ({printable(record.get('source', '?'))}), "
+        f"{printable(record['resource'])} {record['required']} B > {_limit_line(record)}")
+    grid = record["grid"] if launched else [1]
+    say(f"  config {printable(record['config'])}, grid {grid if launched else '(none recorded)'}, action then: "
+        f"{printable(record['action'])}")
+    if not launched:
+        say("  no tensors were recorded (a compile no launch caused): compiling the recorded variant from its "
+            "signature and specialization")
+    if record["resource"] != "shared memory":
+        say(f"  note: replay emulates shared memory only; this record is about {printable(record['resource'])}")
+    launch = _launcher(jit, record, recorded, grid)
+    if torch.cuda.is_available() and launched:
+        return _replay_on_gpu(jit, record, launch, limit, say)
+    return _replay_compile_only(obj, jit, record, launch, limit, say)
 
 
-def _tensor(spec: dict, device: str, generator):
-    import torch
+def _launcher(jit, record: dict, recorded: dict, grid: list) -> Callable[..., dict]:
+    """A launch of the recorded config (or of it with ``changes``, the settings a decision chose) on ``device``."""
 
-    dtype = _dtype(spec["dtype"])
-    itemsize = _itemsize(dtype)
-    span = _span(spec)
-    offset = spec["ptr_mod_16"] // itemsize
-    base = torch.empty(span + offset + 16, dtype=dtype, device=device)
-    skip = (-base.data_ptr() % 16) // itemsize  # start from a 16-byte boundary, then add the recorded offset
-    if generator is None:  # compiling only: the values are never read
-        pass
-    elif dtype.is_floating_point:
-        base.uniform_(-1, 1, generator=generator)
-    else:
-        base.random_(0, 8, generator=generator)
-    return base.as_strided(spec["shape"], spec["stride"], skip + offset)
-
-
-def _descriptor(spec: dict, device: str, generator):
-    """A host TMA descriptor over a fresh base tensor, with the block shape it had at the failure."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        raise ReplayError("the record has a TMA tensor descriptor, and this Triton has no "
-                          "triton.tools.tensor_descriptor") from None
-    return TensorDescriptor(_tensor(spec["base"], device, generator), spec["shape"], spec["strides"],
-                            spec["block_shape"])
-
-
-def arguments(record: dict, device: str, seed: int | None = 0) -> dict:
-    """Every kernel parameter by name: fresh tensors (and TMA descriptors over them) as recorded, scalars,
-    constexprs. Tensors hold random values from ``seed`` (same seed, same values); None leaves them unset."""
-    import torch
-
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    named = {}
-    for name, value in record["args"].items():
-        if isinstance(value, dict):
-            rebuild = _descriptor if value.get("descriptor") else _tensor
-            try:
-                named[name] = rebuild(value, device, generator)
-            except ReplayError:
-                raise
-            except Exception as error:  # too large to allocate, a descriptor Triton refuses
-                raise ReplayError(f"cannot rebuild argument {name!r} ({type(error).__name__}: "
-                                  f"{printable(str(error).splitlines()[0] if str(error) else '')[:200]})") from None
-        else:
-            named[name] = value
-    named.update(record["constexprs"])
-    return named
-
-
-def _launcher(jit, record: dict, device: str) -> Callable[[], dict]:
-    grid = tuple(record["grid"])
-    options = {"num_warps": record["num_warps"], "num_stages": record["num_stages"]}
-    seed = None if device == COMPILING else 0
-
-    def launch() -> dict:
-        named = arguments(record, device, seed)
-        jit[grid](**named, **options)
+    def launch(device: str, changes: dict | None = None) -> dict:
+        settings = {**record["constexprs"], "num_warps": record["num_warps"], "num_stages": record["num_stages"],
+                    **(changes or {})}
+        named = rebuild.arguments(recorded, {}, device, None if device == COMPILING else 0)
+        jit[tuple(grid)](**named, **settings)
         return named
 
     return launch
@@ -314,29 +208,6 @@ def _limit_line(record: dict) -> str:
     limits = record.get("limit") or {}
     emulated = f", emulated {limits['emulated']} B" if limits.get("emulated") else ""
     return f"limit {record['limit_hit']} B (device {limits.get('device')} B{emulated})"
-
-
-def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
-    """Run ``record`` again; ``say`` prints each step. Returns the exit status (0: reproduced and
-    recovered, or nothing to reproduce; 1: not as recorded). ReplayError when it cannot be replayed."""
-    import torch
-
-    found = check(record)
-    if found:
-        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
-    obj, jit = import_kernel(record["kernel"])
-    found = _parameter_problems(jit, record)
-    if found:
-        raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
-    limit = limit or record["limit_hit"]
-    say(f"record {printable(record.get('id', '?'))}: {record['kernel']} ({printable(record.get('source', '?'))}), "
-        f"{printable(record['resource'])} {record['required']} B > {_limit_line(record)}")
-    say(f"  config {printable(record['config'])}, grid {record['grid']}, action then: {printable(record['action'])}")
-    if record["resource"] != "shared memory":
-        say(f"  note: replay emulates shared memory only; this record is about {printable(record['resource'])}")
-    if torch.cuda.is_available():
-        return _replay_on_gpu(jit, record, limit, say)
-    return _replay_compile_only(obj, jit, record, limit, say)
 
 
 def _guarded(settings: Settings, attempt: Callable[[], dict]):
@@ -377,27 +248,66 @@ def _show_attempts(incident: dict | None, say) -> None:
     say(f"  smemguard: {incident['action']}" + (f" -> {incident['final']}" if incident.get("final") else ""))
 
 
-def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
+#: The decisions that chose other tiles or another config: replayed by compiling the config they chose.
+CHOSE_A_CONFIG = ("config_changed", "tiles_reduced")
+
+
+def _recovery_as_recorded(record: dict, launch, limit: int, scratch: str, say) -> bool:
+    """What smemguard does with the reproduced failure, and whether it is what the record says it did: the config a
+    decision chose fits (compiled, nothing launched), or smemguard recovers the launch again (a stage or warp
+    count, a fallback), or it still cannot, for a record of a re-raise."""
+    from triton.runtime.errors import OutOfResources
+
+    chosen = rebuild.chosen_settings(record.get("final"))
+    if record["action"] in CHOSE_A_CONFIG and chosen:
+        try:
+            launch(COMPILING, chosen)
+        except OutOfResources as error:
+            say(f"  the chosen config {printable(record['final'])} needs {error.required} B: still too big")
+            return False
+        except Exception as error:
+            say(f"  the chosen config {printable(record['final'])} does not compile here: {_first_line(error)}")
+            return False
+        say(f"  the chosen config {printable(record['final'])} fits {limit} B: recovered as recorded")
+        return True
+    outcome, incident = _guarded(Settings(log_path=Path(scratch) / "replay.jsonl"), lambda: launch(COMPILING))
+    _show_attempts(incident, say)
+    if not isinstance(outcome, Exception):
+        return True
+    if record["action"] == "reraised":
+        say(f"  still not recovered, as recorded: {_first_line(outcome)}")
+        return True
+    say(f"  not recovered: the launch still fails: {_first_line(outcome)}")
+    return False
+
+
+def _stand_in(arch):
+    """What :func:`smemguard.testing.fake_gpu` stands in for to compile for the recorded ``arch``."""
+    if not isinstance(arch, str):
+        return arch
+    from ..preflight.compiling import hip_compile_problem
+
+    problem = hip_compile_problem()
+    if problem is not None:
+        raise ReplayError(f"no GPU here, and this Triton cannot compile for {arch} without one: {problem}")
+    return next(gpu.name for gpu in gpus.GPUS if gpu.target_arch == arch)
+
+
+def _replay_compile_only(obj, jit, record: dict, launch, limit: int, say) -> int:
     from triton.runtime.errors import OutOfResources
 
     from ..testing import fake_gpu
 
     arch = record["device"]["arch"]
-    if isinstance(arch, str):
-        from ..preflight.compiling import hip_compile_problem
+    stand_in = _stand_in(arch)
+    import torch
 
-        problem = hip_compile_problem()
-        if problem is not None:
-            raise ReplayError(f"no GPU here, and this Triton cannot compile for {arch} without one: {problem}")
-        stand_in = next(gpu.name for gpu in gpus.GPUS if gpu.target_arch == arch)
-    else:
-        stand_in = arch
-    say(f"no GPU: compiling for {arch if isinstance(arch, str) else f'sm_{arch}'} on a stand-in device with a "
-        f"{limit} B limit (nothing executes)")
-    launch = _launcher(jit, record, COMPILING)
+    say(f"{'no tensors' if torch.cuda.is_available() else 'no GPU'}: compiling for "
+        f"{arch if isinstance(arch, str) else f'sm_{arch}'} on a stand-in device with a {limit} B limit "
+        "(nothing executes)")
     with tempfile.TemporaryDirectory(prefix="smemguard-replay-") as scratch, fake_gpu(stand_in, max_shared=limit):
         try:
-            launch()
+            launch(COMPILING)
             say("  the recorded config fits this limit: nothing to reproduce")
             reproduced = None
         except ReplayError:
@@ -409,39 +319,39 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
                 f"limit {error.limit} B ({same})")
         except Exception as error:
             raise _launch_failed(error) from None
-        recovered = True
-        if reproduced is not None:
-            outcome, incident = _guarded(Settings(log_path=Path(scratch) / "replay.jsonl"), launch)
-            _show_attempts(incident, say)
-            if isinstance(outcome, Exception):
-                say(f"  not recovered: the launch still fails: {_first_line(outcome)}")
-                recovered = False
+        recovered = reproduced is None or _recovery_as_recorded(record, launch, limit, scratch, say)
         if obj is not jit and hasattr(obj, "configs"):
-            say(f"  {type(obj).__name__} configs, compiled for this specialization:")
-            named = arguments(record, COMPILING, seed=None)
-            for config in obj.configs:
-                untuned = {name: value for name, value in named.items() if name not in config.kwargs}
-                try:
-                    kernel = jit.warmup(**untuned, **config.all_kwargs(), grid=tuple(record["grid"]))
-                    verdict = f"{kernel.metadata.shared} B: {'fits' if kernel.metadata.shared <= limit else 'too big'}"
-                except Exception as error:
-                    verdict = f"{type(error).__name__}"
-                say(f"    {config}: {verdict}")
+            _show_configs(obj, jit, record, limit, say)
     return 0 if reproduced is None or (recovered and reproduced.required == record["required"]) else 1
 
 
-def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:
+def _show_configs(tuner, jit, record: dict, limit: int, say) -> None:
+    """The bytes of each of ``tuner``'s configs at the recorded specialization."""
+    say(f"  {type(tuner).__name__} configs, compiled for this specialization:")
+    recorded = record["args"] if _launched(record) else rebuild.stand_ins(record)
+    named = rebuild.arguments(recorded, record["constexprs"], COMPILING, seed=None)
+    grid = tuple(record["grid"]) if _launched(record) else (1,)
+    for config in tuner.configs:
+        untuned = {name: value for name, value in named.items() if name not in config.kwargs}
+        try:
+            kernel = jit.warmup(**untuned, **config.all_kwargs(), grid=grid)
+            verdict = f"{kernel.metadata.shared} B: {'fits' if kernel.metadata.shared <= limit else 'too big'}"
+        except Exception as error:
+            verdict = f"{type(error).__name__}"
+        say(f"    {config}: {verdict}")
+
+
+def _replay_on_gpu(jit, record: dict, launch, limit: int, say) -> int:
     import torch
     from triton.runtime.errors import OutOfResources
 
-    launch = _launcher(jit, record, "cuda")
     device_limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     say(f"GPU {torch.cuda.get_device_name(0)} ({device_limit} B per block); emulating {limit} B")
     reference = None
     if record["required"] <= device_limit:
         jit.device_caches.clear()
         try:
-            reference = launch()
+            reference = launch("cuda")
             torch.cuda.synchronize()
         except ReplayError:
             raise
@@ -452,16 +362,24 @@ def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:
         log_path = Path(scratch) / "replay.jsonl"
         jit.device_caches.clear()
         outcome, _ = _guarded(Settings(mode="observe", max_shared=limit, max_shared_label=str(limit),
-                                       log_path=log_path), launch)
+                                       log_path=log_path), lambda: launch("cuda"))
         if not isinstance(outcome, OutOfResources):
             say(f"  not reproduced: the recorded config ran under {limit} B")
             return 1
         say(f"  reproduced: OutOfResources {outcome.name}, required {outcome.required} B, limit {outcome.limit} B")
+        if record["action"] in CHOSE_A_CONFIG:  # its tiles changed, and with them the grid its caller computed
+            from ..testing import fake_gpu
+
+            with fake_gpu(_stand_in(record["device"]["arch"]), max_shared=limit):
+                return 0 if _recovery_as_recorded(record, launch, limit, scratch, say) else 1
         jit.device_caches.clear()
         outcome, incident = _guarded(Settings(max_shared=limit, max_shared_label=str(limit), log_path=log_path),
-                                     launch)
+                                     lambda: launch("cuda"))
         _show_attempts(incident, say)
         if isinstance(outcome, Exception):
+            if record["action"] == "reraised":
+                say(f"  still not recovered, as recorded: {_first_line(outcome)}")
+                return 0
             say(f"  not recovered: {_first_line(outcome)}")
             return 1
         torch.cuda.synchronize()

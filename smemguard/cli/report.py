@@ -17,6 +17,9 @@ from ..store.record_fields import TIME_FORMAT
 #: The lines not fully used that are named one by one, over all the files read; the others are only counted: a file
 #: of a million bad lines gives a screenful, and nothing is kept per line.
 MAX_NAMED = 20
+#: The distinct shapes shown per kernel and GPU, the most seen first: in the table, and listed by --json.
+MAX_SHAPES = 5
+MAX_SHAPES_LISTED = 100
 
 
 @dataclass
@@ -94,7 +97,7 @@ class Row:
     resource: str
     gpu: str
     count: int = 0
-    shapes: set = field(default_factory=set)
+    shapes: Counter = field(default_factory=Counter)  # the tensors' shapes of each record -> how many records
     actions: Counter = field(default_factory=Counter)
     first: datetime | None = None
     last: datetime | None = None
@@ -106,6 +109,8 @@ class Row:
     def as_json(self) -> dict:
         return {"kernel": self.kernel, "resource": self.resource, "gpu": self.gpu, "count": self.count,
                 "distinct_shapes": len(self.shapes), "actions": dict(self.actions),
+                "shapes": [{"args": dict(shape), "count": count}
+                           for shape, count in self.shapes.most_common(MAX_SHAPES_LISTED)],
                 "first_seen": self.seen(self.first), "last_seen": self.seen(self.last),
                 "recovery_ms": round(self.recovery_ms, 3)}
 
@@ -233,7 +238,7 @@ def summarize(records: Iterable[Record], kernel: str | None = None, since: datet
         key = (record["kernel"], record.get("resource", "?"), _gpu(record))
         row = rows.setdefault(key, Row(*key))
         row.count += 1
-        row.shapes.add(_shape_signature(record))
+        row.shapes[_shape_signature(record)] += 1
         row.actions[record["action"]] += 1
         if when is not None:
             row.first = min(row.first or when, when)
@@ -252,8 +257,21 @@ def format_table(rows: list[Row]) -> str:
                       f"{row.recovery_ms / 1000:.2f} s"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     numeric = {3, 4, 8}
-    return "\n".join("  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
-                               for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
+    table = "\n".join("  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
+                                for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
+    return table + "\n\nshapes (tensor arguments of each record; most seen first):\n" + "\n".join(
+        _shape_lines(row) for row in rows)
+
+
+def _shape_lines(row: Row) -> str:
+    """A row's distinct shapes, the most seen first, at most :data:`MAX_SHAPES`."""
+    lines = [f"  {printable(row.kernel)} on {printable(row.gpu)}:"]
+    for shape, count in row.shapes.most_common(MAX_SHAPES):
+        described = " ".join(f"{printable(name)}{list(extent)}" for name, extent in shape)
+        lines.append(f"    {described or '(no tensors recorded: a compile no launch caused)'}  x{count}")
+    if len(row.shapes) > MAX_SHAPES:
+        lines.append(f"    and {len(row.shapes) - MAX_SHAPES} more shapes (--json lists up to {MAX_SHAPES_LISTED})")
+    return "\n".join(lines)
 
 
 def format_prometheus(records: Iterable[Record], kernel: str | None = None, since: datetime | None = None) -> str:

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from ..facts import process
-from ..kernels import introspect
+from ..kernels import introspect, recorded
 from ..store import decision_cache, incidents
 from ..store.decision import CONFIG_CHANGED, SHARED, STAGES_REDUCED
 from .candidates import next_stage_count
@@ -267,7 +267,7 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
     final = ", ".join(f"{name}={value}" for name, value in next(attempt for attempt in reversed(attempts)
                                                                   if attempt["num_stages"] == count).items()
                       if name != "shared")
-    _record(jit, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started, settings,
+    _record(source, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started, settings,
             steps)
     if not stored:
         with steps.skippable("store the decision"):
@@ -326,20 +326,33 @@ def _store(case, kernel, count: int, overflow, settings) -> None:
         required=required, options={"num_stages": count}))
 
 
-def _record(jit, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float, settings,
+def _record(source, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float, settings,
             steps: Steps) -> None:
     device, required, limit = overflow
+    jit = source.fn
     name = introspect.kernel_name(jit)
     stages = kernel.metadata.num_stages
-    code = jit.fn.__code__
+    described = {}
+    with steps.skippable("describe the launch"):
+        described = _described(source, kernel)
     incident = incidents.Incident(
-        kernel=name, launched_as=LAUNCHED_AS, phase="compile", action=STAGES_REDUCED, final=final, resource=SHARED,
-        required=required, limit_hit=limit, started=started, device=device, internal_steps=steps.failed,
-        attempts=[{"num_stages": stages, "shared": required}, *attempts], compiles=len(attempts),
-        remembered=remembered, extras={"source": f"{code.co_filename}:{code.co_firstlineno}",
-                                       "source_hash": introspect.source_hash(jit),
-                                       "num_warps": kernel.metadata.num_warps, "num_stages": stages})
+        kernel=name, launched_as=LAUNCHED_AS, phase=described.pop("phase", "compile"), action=STAGES_REDUCED,
+        final=final, resource=SHARED, required=required, limit_hit=limit, started=started, device=device,
+        internal_steps=steps.failed, attempts=[{"num_stages": stages, "shared": required}, *attempts],
+        compiles=len(attempts), remembered=remembered, extras=described)
     incidents.report(incident, settings.log_path, ("compile", name, device, limit, stages, required),
                      "smemguard: %s: shared memory %d > %d B at num_stages=%d; compiled with %s (%d B) "
                      "before it loaded, %d compile%s", name, required, limit, stages, final, fitted.metadata.shared,
                      len(attempts), "" if len(attempts) == 1 else "s")
+
+
+def _described(source, kernel) -> dict:
+    """What the record says of the compile: what it was given (Triton's signature, specialization and constexprs:
+    what was compiled, whatever the launch passed), and the launch that caused it (its shapes, grid and config,
+    and the phase: a launch's compile, a warm-up's, or an autotuner timing a config)."""
+    fields = recorded.compile_fields(source, kernel)
+    launch, warmup = recorded.in_progress(source.fn)
+    if launch is None:
+        return fields
+    phase = "autotune" if process.benchmarking else "warmup" if warmup else "compile"
+    return {**recorded.launch_fields(launch, kernel), **fields, "phase": phase}

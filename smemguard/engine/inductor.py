@@ -42,6 +42,7 @@ import time
 from ..facts import process
 from ..kernels import introspect, parameters
 from ..kernels.launch import Attempt
+from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
 from ..store.decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .candidates import MAX_CANDIDATES, fewer_warps, variant
@@ -314,7 +315,7 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
         kernel=name, launched_as="CachingAutotuner", phase="compile", action=action, final=final,
         resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
         device=device, internal_steps=steps.failed, reason=reason,
-        attempts=incidents.attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),
+        attempts=attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),
         remembered=remembered, extras={
             "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
                          "source_hash": introspect.source_hash(autotuner.fn)},

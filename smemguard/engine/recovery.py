@@ -30,9 +30,10 @@ from typing import Any, Callable
 from ..facts import process
 from ..kernels import introspect, registry
 from ..kernels.launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
+from ..kernels.recorded import described_args
 from ..store import decision_cache, incidents
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
-from . import compile_fit, ladder, recall
+from . import compile_fit, ladder, recall, records
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> C
         with steps.required("bind the fallback's arguments"):
             named = _fallback_arguments(launch)
         return functools.partial(_run_fallback, decision, named, error)
-    incidents.add_note(error, lambda: incidents.explain(launch, decision, error))
+    incidents.add_note(error, lambda: records.explain(launch, decision, error))
     return functools.partial(_reraise, error)
 
 
@@ -146,9 +147,9 @@ def handle_warmup(launched, grid, args, kwargs, compiled, settings, decided: Dec
         case = decided.case_for(launch, compiled)
         with case.lock:
             if case.decision is None:
-                described = incidents.described_args(launch)
+                described = described_args(launch)
                 decision = _decide(launch, compiled, error, settings, Steps(introspect.kernel_name(launched)))
-                case.decision = incidents.record_launch(launch, launched, compiled, error, decision, started,
+                case.decision = records.record_launch(launch, launched, compiled, error, decision, started,
                                                         settings.log_path, described, phase="warmup")
         if case.decision.action in (STAGES_REDUCED, WARPS_REDUCED):
             replace_in_jit_cache(launch, compiled, case.decision.replacement)
@@ -198,7 +199,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
         steps.note("handle the failure")
         run = None
     if run is None:
-        incidents.record_launch(launch, launched, failing, error, Decision(
+        records.record_launch(launch, launched, failing, error, Decision(
             RERAISED, (), internal_steps=tuple(steps.failed),
             reason=f"smemguard's own step {steps.failed[-1]!r} failed (its bug: please report it); the original "
                    "error is raised"), started, settings.log_path)
@@ -241,7 +242,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
     """What runs for the failed launch (see :func:`_plan`), with its decision taken and recorded."""
     if launch is None:
         action = OBSERVED if settings.observe_only else RERAISED
-        decision = incidents.record_launch(None, launched, None, error, Decision(action, (), reason=(
+        decision = records.record_launch(None, launched, None, error, Decision(action, (), reason=(
             f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run "
             "launches exactly what Autotuner.run does: it may launch more than one kernel, so it is not "
             "retried")), started, settings.log_path)
@@ -249,7 +250,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
                            f"{decision.reason}" + (f"; incident record: {decision.record}" if decision.record else ""))
         return functools.partial(_reraise, error)
     if settings.observe_only:
-        incidents.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings.log_path)
+        records.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings.log_path)
         return functools.partial(_reraise, error)
     # Another thread already put a kernel that fits in its place.
     fitting, case = False, _Case()
@@ -264,7 +265,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
             # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
             described = None
             with steps.skippable("describe the arguments"):
-                described = incidents.described_args(launch)
+                described = described_args(launch)
             decision = _decide(launch, failing, error, settings, steps)
             if steps.failed:
                 decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
@@ -272,18 +273,18 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
                 case.decision = decision
                 with steps.required("bind the fallback's arguments"):
                     named = _fallback_arguments(launch)
-                record = functools.partial(incidents.record_launch, launch, launched, failing, error,
+                record = functools.partial(records.record_launch, launch, launched, failing, error,
                                            started=started, log_path=settings.log_path, described=described)
                 return functools.partial(_run_fallback, decision, named, error, record)
             if decision.action == RERAISED and _chosen_again(launch, decision, steps):
                 case.decision, case.recorded = decision, False
                 return functools.partial(_reraise, error)
-            case.decision = incidents.record_launch(launch, launched, failing, error, decision, started,
+            case.decision = records.record_launch(launch, launched, failing, error, decision, started,
                                                     settings.log_path, described)
         elif not case.recorded:
             if _chosen_again(launch, case.decision, steps):
                 return functools.partial(_reraise, error)
-            case.decision, case.recorded = incidents.record_launch(launch, launched, failing, error, case.decision,
+            case.decision, case.recorded = records.record_launch(launch, launched, failing, error, case.decision,
                                                                    started, settings.log_path), True
     return _plan(case.decision, launch, failing, error, steps)
 

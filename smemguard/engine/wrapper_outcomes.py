@@ -12,8 +12,9 @@ import inspect
 from typing import Any, Callable
 
 from ..facts import process
-from ..kernels import introspect
+from ..kernels import introspect, recorded
 from ..kernels.launch import Attempt
+from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
 from ..store.decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
 from .steps import Steps
@@ -100,12 +101,15 @@ class Outcome:
     def _report(self, action: str, final: str | None, reason: str | None, attempts: list, message: str,
                 *args) -> str | None:
         device = process.current_device()
+        described = {}
+        with self.steps.skippable("describe the failed launch"):
+            described = recorded.failed_launch_fields(self.error)
         incident = incidents.Incident(
             kernel=self.kernel, launched_as=self.name, phase="launch", action=action, final=final, resource=SHARED,
             required=self.error.required, limit_hit=self.error.limit, started=self.started, device=device,
             reason=reason, internal_steps=self.steps.failed, compiles=len(self.failed),
-            attempts=incidents.attempt_records(attempts),
-            extras={"shape_class": dict(self.shape), "config": self.failed[0].config,
+            attempts=attempt_records(attempts),
+            extras={**described, "shape_class": dict(self.shape), "config": self.failed[0].config,
                     "choice": self.declaration.name})
         return incidents.report(incident, self.settings.log_path, (self.name, self.declaration.name, self.shape,
                                                                    device, action), message, *args)

@@ -485,7 +485,7 @@ def _first_call_on_stack(jit) -> bool:
 def _failed_launch(error) -> tuple[Any, dict]:
     """(the Triton kernel whose launch raised ``error``, the arguments it was launched with by name), as the launch
     guard saw that launch (``process.failed_launch``); (None, {}) for an error no guarded launch raised."""
-    kernel, _, launched = process.failed_launch(error) or (None, (), {})
+    kernel, _, _, launched = process.failed_launch(error) or (None, None, (), {})
     jit = introspect.jit_function(kernel) if kernel is not None else None
     return (jit, launched) if jit is not None and hasattr(jit, "arg_names") else (None, {})
 

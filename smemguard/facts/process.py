@@ -203,22 +203,41 @@ def drop_replacements() -> int:
     return dropped
 
 
-# -- which launch raised an overflow --------------------------------------------------------------
-
-_failed_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # error -> (kernel, args, kwargs)
+# -- the launch in progress, and which launch raised an overflow -------------------------------------------
 
 
-def note_failed_launch(error: BaseException, kernel, args: tuple, kwargs: dict) -> None:
+class _Launching(threading.local):
+    #: ``(launched, grid, args, kwargs, warmup)`` of the ``kernel[grid](...)`` launch or ``kernel.warmup(...)``
+    #: (``warmup`` true) the seam is running on this thread (``patches/kernel_interface``, ``patches/kernel_warmup``
+    #: set it), None outside one.
+    #: A plain tuple in a thread-local: set and restored on every launch, so it must cost no more than that.
+    current: tuple | None = None
+
+
+#: The launch in progress on this thread: what a compile it causes was launched with (the record's shapes).
+launching = _Launching()
+
+
+def launch_in_progress() -> tuple | None:
+    """``(launched, grid, args, kwargs, warmup)`` of the launch (or warm-up) running on this thread, or None."""
+    return launching.current
+
+
+_failed_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # error -> (kernel, grid, args, kwargs)
+
+
+def note_failed_launch(error: BaseException, kernel, grid, args: tuple, kwargs: dict) -> None:
     """The launch guard saw ``kernel[grid](*args, **kwargs)`` raise ``error``: kept for as long as the error
-    lives (as its traceback keeps the launch's frame), for a patch that runs its caller's wrapper again."""
+    lives (as its traceback keeps the launch's frame), for a patch that runs its caller's wrapper again and for the
+    record of what that wrapper decided."""
     try:
-        _failed_launches[error] = (kernel, args, kwargs)
+        _failed_launches[error] = (kernel, grid, args, kwargs)
     except TypeError:  # an error type without weak references: nothing is kept
         pass
 
 
 def failed_launch(error: BaseException) -> tuple | None:
-    """(kernel, args, kwargs) of the launch that raised ``error``, as the launch guard saw it; else None."""
+    """(kernel, grid, args, kwargs) of the launch that raised ``error``, as the launch guard saw it; else None."""
     try:
         return _failed_launches.get(error)
     except TypeError:
@@ -246,8 +265,32 @@ class ThreadFlag:
         return getattr(self._local, "depth", 0) > 0
 
 
-#: Set inside ``Autotuner._bench``: nothing may be changed there (``patches/autotuner_bench``).
-benchmarking = ThreadFlag()
+class ThreadValue:
+    """A value for the calling thread while a ``with value.scope(v):`` block runs (the innermost block's), None
+    outside; true while one runs."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def scope(self, value) -> Iterator[None]:
+        outer = getattr(self._local, "value", None)
+        self._local.value = value
+        try:
+            yield
+        finally:
+            self._local.value = outer
+
+    @property
+    def value(self):
+        return getattr(self._local, "value", None)
+
+    def __bool__(self) -> bool:
+        return self.value is not None
+
+
+#: The config ``Autotuner._bench`` is timing on this thread (``patches/autotuner_bench``), None outside a benchmark.
+benchmarking = ThreadValue()
 
 
 class ProcessFlag(ThreadFlag):

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 from ..facts import process
 from ..kernels.launch import Attempt
+from ..kernels import recorded
+from ..kernels.recorded import attempt_records
 from ..store import incidents
 from ..store.decision import TILES_REDUCED
 from . import Layer, Patch
@@ -170,7 +172,7 @@ class TileChoice(Patch):
         launch guard saw it (``process.failed_launch``); None when ``error`` came from another launch."""
         if getattr(error, "name", None) != "shared memory":
             return None
-        kernel, args, kwargs = process.failed_launch(error) or (None, (), None)
+        kernel, _, args, kwargs = process.failed_launch(error) or (None, None, (), None)
         if kernel is not getattr(sys.modules[self.module], self.kernel) or not isinstance(kwargs, dict):
             return None
         return tuple(args), kwargs
@@ -226,10 +228,13 @@ class TileChoice(Patch):
             except self._out_of_resources as again:
                 error = again
                 continue
-            self._report(original, key, failed, step[2], started, steps.failed)
+            self._report(original, key, failed, step[2], started, steps)
             return result
 
-    def _report(self, error, key: tuple, failed: list, final: int, started: float, internal_steps: list) -> None:
+    def _report(self, error, key: tuple, failed: list, final: int, started: float, steps) -> None:
+        described = {}
+        with steps.skippable("describe the failed launch"):
+            described = recorded.failed_launch_fields(error)
         try:
             device, _, *shape = key
             shape_class = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
@@ -238,9 +243,9 @@ class TileChoice(Patch):
             incident = incidents.Incident(
                 kernel=f"{self.module}:{self.kernel}", launched_as=f"{self.module}:{self.wrapper}", phase="launch",
                 action=TILES_REDUCED, final=chosen, resource=error.name, required=error.required,
-                limit_hit=error.limit, started=started, device=device, internal_steps=internal_steps,
-                attempts=incidents.attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
-                extras={"shape_class": shape_class, "config": failed[0].config})
+                limit_hit=error.limit, started=started, device=device, internal_steps=steps.failed,
+                attempts=attempt_records([*failed, Attempt(chosen, None, error.limit, True)]),
+                extras={**described, "shape_class": shape_class, "config": failed[0].config})
             incidents.report(incident, self.records_path(), (self.kernel, key),
                              "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now "
                              "on", self.kernel, error.name, error.required, error.limit, failed[0].config,

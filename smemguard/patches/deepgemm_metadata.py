@@ -59,6 +59,7 @@ from pathlib import Path
 
 from ..facts import process
 from ..facts.versions import Supported
+from ..kernels.recorded import describe_arg
 from ..store import incidents
 from ..store.decision import FALLBACK as FALLBACK_ACTION
 from . import Layer, Patch, wrapt_layer
@@ -341,8 +342,8 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
         kernel=KERNEL, launched_as=f"{TARGET_MODULE}:{FUNCTION}", phase="launch", action=FALLBACK_ACTION,
         final=f"fallback {FALLBACK}", resource="shared memory", required=None, limit_hit=None, started=started,
         reason=why, extras={
-            "args": {"context_lens": incidents.describe_arg(call.context_lens), "block_size": call.block_size,
-                     "num_sms": call.num_sms, "indices": incidents.describe_arg(call.indices)},
+            "args": {"context_lens": describe_arg(call.context_lens), "block_size": call.block_size,
+                     "num_sms": call.num_sms, "indices": describe_arg(call.indices)},
             "slots": call.slots, "variant": scheduler.variant,
             "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
             "error": f"{type(error).__name__}: {error}"})

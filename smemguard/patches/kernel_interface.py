@@ -4,11 +4,15 @@ Why: ``kernel[grid](*args)`` is how JIT functions, autotuners and heuristics are
 ``__getitem__`` returns a small closure that calls ``kernel.run(grid=grid, warmup=False, ...)``.
 Our closure is the same call inside a ``try``, whose ``except OutOfResources`` hands the
 failed launch (kernel object, grid, arguments, and a way to run it again as asked) to the engine
-(``engine.on_out_of_resources``, ``engine.recovery.handle``). The error is raised on the host before anything is
-enqueued (``CompiledKernel._init_handles``), so the launch can be retried with the same buffers.
+(``engine.on_out_of_resources``, ``engine.recovery.handle``). While the call runs, the launch is the thread's
+launch in progress (``facts.process.launching``): a compile it causes (a JIT cache miss, an autotuner timing a
+config) is recorded with the launch's shapes, grid and config, which the compile alone does not know. The error
+is raised on the host before anything is enqueued (``CompiledKernel._init_handles``), so the launch can be
+retried with the same buffers.
 
 Why not a wrapt wrapper here, unlike the other patches: this sits on every kernel launch,
-and a ``try`` costs nothing until it catches (CPython 3.11+), while a wrapt descriptor
+and a ``try`` costs nothing until it catches (CPython 3.11+; noting the launch in progress is two assignments
+to a thread-local), while a wrapt descriptor
 adds a bound-wrapper object and two calls to each launch (see
 ``benchmarks/launch_overhead.py``). The replacement is a plain function that builds the
 same closure the original builds, so a healthy launch runs the same number of Python frames.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 
 from ..facts import process
+from ..facts.process import launching
 from . import TRITON, TRITON_CHECKED, Layer, Patch, bound
 
 
@@ -40,11 +45,15 @@ def _guarded_getitem(out_of_resources, triton_getitem):
             def __getitem__(self, grid):
 
                 def launch(*args, **kwargs):
+                    outer = launching.current
+                    launching.current = (self, grid, args, kwargs, False)
                     try:
                         return self.run(*args, grid=grid, warmup=False, **kwargs)
                     except out_of_resources as error:
                         again = functools.partial(self.run, *args, grid=grid, warmup=False, **kwargs)
                         return _recovered(self, grid, args, kwargs, error, again)
+                    finally:
+                        launching.current = outer
 
                 return launch
 
@@ -54,10 +63,14 @@ def _guarded_getitem(out_of_resources, triton_getitem):
             launcher = bound(below, self)(grid)
 
             def launch(*args, **kwargs):
+                outer = launching.current
+                launching.current = (self, grid, args, kwargs, False)
                 try:
                     return launcher(*args, **kwargs)
                 except out_of_resources as error:
                     return _recovered(self, grid, args, kwargs, error, functools.partial(launcher, *args, **kwargs))
+                finally:
+                    launching.current = outer
 
             return launch
 
@@ -67,7 +80,7 @@ def _guarded_getitem(out_of_resources, triton_getitem):
 
 
 def _recovered(kernel, grid, args, kwargs, error, again):
-    process.note_failed_launch(error, kernel, args, kwargs)  # for a wrapper run again (patches._tile_choice)
+    process.note_failed_launch(error, kernel, grid, args, kwargs)  # for a wrapper run again, and its record
     engine = PATCH.engine
     if engine is None:  # uninstalled while another tool's layer kept ours alive
         raise error

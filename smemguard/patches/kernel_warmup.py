@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextvars
 import functools
 
+from ..facts.process import launching
 from ..facts.versions import Supported
 from . import Layer, Patch, bound
 
@@ -44,7 +45,12 @@ def _deciding_warmup(wrap_dtype, async_compile):
     def build(original):
 
         def warmup(self, *args, grid, **kwargs):
-            kernel = bound(original, self)(*args, grid=grid, **kwargs)
+            outer = launching.current
+            launching.current = (self, grid, args, kwargs, True)  # what a compile it causes records
+            try:
+                kernel = bound(original, self)(*args, grid=grid, **kwargs)
+            finally:
+                launching.current = outer
             engine = PATCH.engine
             if engine is None:  # uninstalled while another tool's layer kept ours alive
                 return kernel

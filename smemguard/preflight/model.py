@@ -12,7 +12,7 @@ from ..kernels.estimate import (  # noqa: F401  (re-exported: the estimate decid
     FITS,
     OVERFLOWS,
 )
-from ..store import incidents
+from ..kernels.recorded import describe_arg
 
 ALIGNED = "aligned"
 MISALIGNED = "misaligned"
@@ -93,7 +93,7 @@ class Variant:
 
     def to_json(self) -> dict:
         """The config as the ``--json`` document lists it."""
-        constexprs = {name: incidents.describe_arg(value) for name, value in self.constexprs}
+        constexprs = {name: describe_arg(value) for name, value in self.constexprs}
         return {"config": self.label(), "constexprs": constexprs, "num_warps": self.num_warps,
                 "num_stages": self.num_stages}
 

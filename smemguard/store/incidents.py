@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..facts import files, process
-from ..kernels import introspect
 from . import metrics
-from .decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .record_fields import SCHEMA, TIME_FORMAT
 
 log = logging.getLogger(__name__)
@@ -126,41 +124,6 @@ def host() -> str:
     return socket.gethostname()
 
 
-def describe_arg(value) -> Any:
-    """A kernel argument as the record keeps it: tensors by shape, stride, dtype and alignment."""
-    if hasattr(value, "data_ptr") and hasattr(value, "shape"):
-        return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype),
-                "ptr_mod_16": value.data_ptr() % 16}
-    if hasattr(value, "base") and hasattr(value, "block_shape"):  # TMA tensor descriptor
-        return {"descriptor": True, "base": describe_arg(value.base), "shape": [int(s) for s in value.shape],
-                "strides": [int(s) for s in value.strides], "block_shape": list(value.block_shape)}
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    return str(value)
-
-
-def specialization(jit, named: dict) -> dict:
-    """What Triton specializes on, per int or pointer argument: ``"==1"``, ``"div16"`` or ``""``."""
-    spec = {}
-    for param in jit.params:
-        value = named.get(param.name)
-        if param.is_constexpr or getattr(param, "do_not_specialize", False) or isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            spec[param.name] = "==1" if value == 1 else ("div16" if value % 16 == 0 else "")
-        elif hasattr(value, "data_ptr"):
-            spec[param.name] = "div16" if value.data_ptr() % 16 == 0 else ""
-    return spec
-
-
-def evaluate_grid(grid, named: dict):
-    """The launch grid as a list, evaluated the way Triton does for a grid function."""
-    try:
-        return list(grid(named) if callable(grid) else grid)
-    except Exception:
-        return str(grid)
-
-
 def rank() -> int | None:
     """torch.distributed's rank when it is initialised (the vLLM worker's), else None."""
     try:
@@ -179,118 +142,6 @@ def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> s
     process.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")
     log.debug("smemguard incident: %s", record)
     return where
-
-
-# -- Triton launches ---------------------------------------------------------------------------
-
-
-def described_args(launch) -> dict:
-    """The kernel's non-constexpr arguments as the record keeps them."""
-    constexprs = launch.constexpr_names()
-    return {k: describe_arg(v) for k, v in launch.named_args().items() if k not in constexprs}
-
-
-def record_launch(launch, launched, failing, error, decision, started: float, log_path: Path | None,
-                  described: dict | None = None, phase: str = "launch"):
-    """Write the incident record and the one-line warning; return the decision with its location.
-
-    ``launch`` is None when the launch could not be resolved; ``described``: the arguments as
-    :func:`described_args` saw them at the failure, if taken then. Never raises: a record that
-    cannot be built or written leaves the decision as it is.
-    """
-    try:
-        return _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase)
-    except Exception:
-        log.warning("smemguard: could not write the incident record for %s", type(launched).__name__,
-                    exc_info=True)
-        return decision
-
-
-def _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase):
-    from ..kernels.launch import describe
-
-    device = process.current_device()
-    kernel = introspect.kernel_name(launch.jit if launch is not None else launched)
-    extras: dict[str, Any] = {
-        # Wall-clock time: compiles that ran concurrently are counted once.
-        "compile_ms": decision.compile_ms or round(sum(attempt.compile_ms or 0.0 for attempt in decision.attempts), 3),
-        "skipped": list(decision.skipped),
-        "timings_ms": decision.timings,
-    }
-    if launch is not None and failing is not None:
-        code = launch.jit.fn.__code__
-        named = launch.named_args()
-        constexprs = launch.constexpr_names()
-        extras.update({
-            "source": f"{code.co_filename}:{code.co_firstlineno}",
-            "source_hash": introspect.source_hash(launch.jit),
-            "constexprs": {k: describe_arg(v) for k, v in named.items() if k in constexprs},
-            "num_warps": failing.metadata.num_warps,
-            "num_stages": failing.metadata.num_stages,
-            "config": describe(launch, failing),
-            "grid": evaluate_grid(launch.grid, named),
-            "args": described if described is not None else described_args(launch),
-            "specialization": specialization(launch.jit, named),
-            "autotune_key": list(launch.tuning_key) if launch.tuning_key is not None else None,
-        })
-    record = Incident(
-        kernel=kernel, launched_as=type(launched).__name__, phase=phase, action=decision.action, final=decision.final,
-        resource=error.name, required=error.required, limit_hit=error.limit, started=started, device=device,
-        internal_steps=decision.internal_steps,
-        internal_errors=sum(attempt.internal_error for attempt in decision.attempts) + len(decision.internal_steps),
-        reason=decision.reason or None, attempts=attempt_records(decision.attempts),
-        compiles=sum(attempt.compile_ms is not None for attempt in decision.attempts),
-        remembered=decision.remembered, extras=extras).record()
-    failing = record.get("config") or ""
-    where = emit(record, log_path, (kernel, device, failing),
-                 "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms",
-                 kernel, error.name, error.required, error.limit, failing or "?",
-                 action_text(decision, failing), max(len(decision.attempts) - 1, 0), record["recovery_ms"])
-    return dataclasses.replace(decision, record=where)
-
-
-def attempt_records(attempts) -> list[dict]:
-    """The attempts as records keep them: the failing configuration in full, then for each
-    candidate only what it changed (``changes``), so a kernel with 40 constexprs stays readable."""
-    if not attempts:
-        return []
-    failing = attempts[0].config
-    return [vars(attempts[0])] + [{**{k: v for k, v in vars(a).items() if k != "config"},
-                                   "changes": introspect.changes(failing, a.config)} for a in attempts[1:]]
-
-
-def action_text(decision, failing_config: str = "") -> str:
-    final = introspect.changes(failing_config, decision.final or "") or decision.final
-    return ("remembered: " if decision.remembered else "") + {
-        STAGES_REDUCED: f"recovered with {final}",
-        WARPS_REDUCED: f"recovered with {final}",
-        CONFIG_CHANGED: f"switched to config {final}",
-        FALLBACK: f"ran {decision.final}",
-        OBSERVED: "observed only (SMEMGUARD=observe)",
-        RERAISED: "re-raised: " + decision.reason,
-    }[decision.action]
-
-
-def explain(launch, decision, error) -> str:
-    """The note added to a re-raised error: kernel, tensors, what was tried and why nothing fits."""
-    named = launch.named_args()
-    code = launch.jit.fn.__code__
-    tensors = ", ".join(f"{k}: {v['dtype']}{v['shape']} stride {v['stride']}" for k, v in
-                        ((k, describe_arg(v)) for k, v in named.items()) if isinstance(v, dict) and "dtype" in v)
-    lines = [
-        f"smemguard could not recover {introspect.kernel_name(launch.jit)} ({code.co_filename}:{code.co_firstlineno}):",
-        f"  {error.name}: required {error.required}, limit {error.limit}",
-        f"  tensors: {tensors or 'none'}",
-        f"  failing: {decision.attempts[0].summary() if decision.attempts else 'unknown'}",
-        "  tried: " + ("; ".join(a.summary(introspect.changes(decision.attempts[0].config, a.config))
-                                 for a in decision.attempts[1:]) or "nothing"),
-        f"  {decision.reason}",
-    ]
-    if decision.remembered:
-        lines.append("  (decided earlier and kept in SMEMGUARD_CACHE_DIR; 'smemguard cache clear' forgets it)")
-    if decision.record:
-        lines.append(f"  incident record: {decision.record}")
-    return "\n".join(lines)
 
 
 def add_note(error: BaseException, note: str | Callable[[], str]) -> None:

@@ -17,6 +17,9 @@ EVERY = "every record"
 WHILE_UNVERIFIED = "every record, while some patch runs above the newest release it was checked against"
 TRITON = "every record of a Triton kernel"
 LAUNCH = "the launch guard"
+DESCRIBED_LAUNCH = "the launch behind it (kernels.recorded.launch_fields): the launch guard's and a warm-up's, the " \
+    "compile-time core's where a launch caused the compile, a wrapper's that chose its tiles again"
+DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields): the compile-time core's"
 COMPILE = "the compile-time core"
 INDUCTOR = "Inductor's load recovery"
 FLEX = "FlexAttention's configs"
@@ -53,13 +56,13 @@ FIELDS = (
     Field("kernel", (EVERY,), report=NEEDED, replay=NEEDED, metrics=LABEL),
     Field("verified", (WHILE_UNVERIFIED,)),
     Field("unverified", (WHILE_UNVERIFIED,)),
-    Field("launched_as", (EVERY,)),
+    Field("launched_as", (EVERY,), replay=READ),
     Field("phase", (EVERY,)),
     Field("resource", (EVERY,), report=READ, replay=NEEDED, metrics=LABEL),
     Field("required", (EVERY,), replay=NEEDED),
     Field("limit_hit", (EVERY,), replay=NEEDED),
     Field("action", (EVERY,), report=NEEDED, replay=NEEDED, metrics=LABEL),
-    Field("final", (EVERY,), replay=SHOWN),
+    Field("final", (EVERY,), replay=READ),
     Field("reason", (EVERY,)),
     Field("attempts", (EVERY,), replay=SHOWN),
     Field("compiles", (EVERY,)),
@@ -70,16 +73,18 @@ FIELDS = (
     Field("triton", (TRITON,)),
     Field("device", (TRITON,), report=READ, replay=NEEDED, metrics=LABEL),
     Field("limit", (TRITON,), replay=READ),
-    Field("source", (LAUNCH, COMPILE), replay=READ),
-    Field("source_hash", (LAUNCH, COMPILE), replay=SHOWN),
-    Field("num_warps", (LAUNCH, COMPILE), replay=NEEDED),
-    Field("num_stages", (LAUNCH, COMPILE), replay=NEEDED),
-    Field("constexprs", (LAUNCH,), replay=NEEDED),
-    Field("config", (LAUNCH, INDUCTOR, FLEX, PATCHED_WRAPPER, DECLARED_WRAPPER), replay=NEEDED),
-    Field("grid", (LAUNCH,), replay=NEEDED),
-    Field("args", (LAUNCH, DEEPGEMM), report=READ, replay=NEEDED),
-    Field("specialization", (LAUNCH,)),
-    Field("autotune_key", (LAUNCH,)),
+    Field("source", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=READ),
+    Field("source_hash", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=SHOWN),
+    Field("num_warps", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
+    Field("num_stages", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
+    Field("constexprs", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
+    Field("config", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE, INDUCTOR, FLEX, PATCHED_WRAPPER, DECLARED_WRAPPER),
+          replay=NEEDED),
+    Field("grid", (DESCRIBED_LAUNCH,), replay=READ),
+    Field("args", (DESCRIBED_LAUNCH, DEEPGEMM), report=READ, replay=READ),
+    Field("signature", (DESCRIBED_COMPILE,), replay=READ),
+    Field("specialization", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=READ),
+    Field("autotune_key", (DESCRIBED_LAUNCH,)),
     Field("compile_ms", (LAUNCH, INDUCTOR)),
     Field("skipped", (LAUNCH,)),
     Field("timings_ms", (LAUNCH,)),
