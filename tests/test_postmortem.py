@@ -57,8 +57,11 @@ def test_report_over_mixed_partly_corrupt_files(tmp_path, real_record, capsys):
                                                 variant(real_record, kernel="other:kernel", resource="threads")])
     assert commands.main(["report", str(rank0), str(rank1)]) == 2, "some input was bad: the table counts the rest"
     out, err = capsys.readouterr()
-    header, first, second = out.splitlines()
+    header, first, second, _, shapes, *listed = out.splitlines()
     assert header.split()[:5] == ["kernel", "resource", "GPU", "count", "shapes"]
+    assert shapes.startswith("shapes") and listed[:3] == [
+        "  smemguard.examples:matmul_kernel on cuda:89:", "    a_ptr[256, 256] b_ptr[256, 256] c_ptr[256, 256]  x2",
+        "    a_ptr[512, 256] b_ptr[256, 256] c_ptr[256, 256]  x1"], "each incident's shapes, the most seen first"
     assert first.split()[:3] == ["smemguard.examples:matmul_kernel", "shared", "memory"]
     assert "cuda:89" in first and " 3 " in first and "stages_reduced 2, fallback 1" in first
     assert "2026-11-30T03:00:00+0000" in first and "2026-11-30T04:00:00+0000" in first
@@ -75,8 +78,9 @@ def test_report_json_and_filters(tmp_path, real_record, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["malformed"] == []
     [row] = out["rows"]
-    assert set(row) == {"kernel", "resource", "gpu", "count", "distinct_shapes", "actions", "first_seen",
+    assert set(row) == {"kernel", "resource", "gpu", "count", "distinct_shapes", "shapes", "actions", "first_seen",
                         "last_seen", "recovery_ms"}
+    assert row["shapes"] == [{"args": {"a_ptr": [256, 256], "b_ptr": [256, 256], "c_ptr": [256, 256]}, "count": 1}]
     assert (row["count"], row["distinct_shapes"], row["actions"]) == (1, 1, {"stages_reduced": 1})
     assert commands.main(["report", str(path), "--since", "yesterday"]) == 2
     assert "expected a date" in capsys.readouterr().err

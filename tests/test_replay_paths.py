@@ -176,3 +176,26 @@ def test_a_record_of_a_source_with_no_launch_says_why_in_one_line(tmp_path, laun
     result = replay(log)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"no 'args' field (an object {{...}}); {why}" in result.stderr, result.stderr
+
+
+def test_a_torch_compile_kernel_replays_from_its_generated_source_while_inductors_cache_holds_it(
+        install_guard, incident_log, monkeypatch, triton_cache):
+    """Inductor's load recovery records the generated module (path and SHA-256) and what its compile was given;
+    replay loads that module from Inductor's cache directory, checked unchanged, and compiles the same variant.
+    (The stand-in kernel's module is tests/inductor_kernels.py: the cache directory is pointed at the tests.)"""
+    pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    from inductor_kernels import inductor_gpu, template_matmul
+
+    kernel = template_matmul("L4", num_stages=5)
+    install_guard(disabled=("triton_compile",))
+    with inductor_gpu(monkeypatch, "L4", cache_dir=triton_cache):
+        kernel.precompile()
+    [record] = records(incident_log)
+    assert record["launched_as"] == "CachingAutotuner" and record["inductor"]["source_file"].endswith(
+        "inductor_kernels.py")
+    assert record["signature"]["arg_A"].startswith("*") and record["num_stages"] == 5
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(TESTS))
+    assert_replayed(incident_log, record, "no tensors were recorded", "smemguard: stages_reduced")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(TESTS / "elsewhere"))
+    result = replay(incident_log)
+    assert result.returncode == 2 and "is not in Inductor's cache" in result.stderr, result.stderr

@@ -20,6 +20,9 @@ class ReplayError(Exception):
 
 
 def kernel_name(value) -> bool:
+    """``module:qualname``, or Inductor's name of a torch.compile kernel (an identifier)."""
+    if isinstance(value, str) and value.isidentifier():
+        return True
     module, _, qualname = value.partition(":") if isinstance(value, str) else ("", "", "")
     return all(part.isidentifier() for part in (*module.split("."), *qualname.split(".")))
 
@@ -128,8 +131,16 @@ def specialization_problems(record: dict) -> list[str]:
     return found
 
 
-def import_kernel(name: str):
-    """The object at ``module:qualname`` and the JIT function under it."""
+def import_kernel(record: dict):
+    """The object the record's kernel names and the JIT function under it: ``module:qualname`` imported, or a
+    torch.compile kernel (Inductor's kernel name) from the generated module the record names."""
+    name = record["kernel"]
+    if ":" not in name:
+        obj = getattr(_generated_module(record), name, None)
+        jit = introspect.jit_function(obj)
+        if jit is None:
+            raise ReplayError(f"the generated module the record names has no Triton kernel {name!r}")
+        return obj, jit
     module_name, _, qualname = name.partition(":")
     try:
         obj = importlib.import_module(module_name)
@@ -145,6 +156,56 @@ def import_kernel(name: str):
     if jit is None:
         raise ReplayError(f"{name!r} is a {type(obj).__name__}, not a Triton kernel")
     return obj, jit
+
+
+#: A generated kernel module larger than this is not loaded (Inductor's are kilobytes).
+GENERATED_SOURCE_LIMIT = 4 * 2**20
+
+
+def _generated_module(record: dict):
+    """The module Inductor generated for the record's kernel, loaded from the file the record names while
+    Inductor's cache still holds it unchanged: the bytes hashed are the bytes run, only from Inductor's own cache
+    directory (as Inductor itself loads them), never from a file that another user owns or can write."""
+    import hashlib
+    import types
+    from pathlib import Path
+
+    from ..facts import files
+
+    generated = record.get("inductor") or {}
+    path, digest = generated.get("source_file"), generated.get("source_sha256")
+    rerun = "run the compiled program again under the recorded limit (SMEMGUARD_MAX_SHARED)"
+    if not path or not digest:
+        raise ReplayError(f"the record names no generated source of the torch.compile kernel (inductor.source_file, "
+                          f"written since smemguard 0.2): {rerun}")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir()).resolve()
+    try:
+        resolved = Path(path).resolve(strict=True)
+    except OSError:
+        raise ReplayError(f"the generated source {printable(path)} is no longer in Inductor's cache ({root}): "
+                          f"{rerun}") from None
+    if root not in resolved.parents:
+        raise ReplayError(f"{printable(path)} is not in Inductor's cache ({root}, TORCHINDUCTOR_CACHE_DIR): replay "
+                          "loads a generated kernel only from there")
+    try:
+        files.check_trusted(resolved, resolved.parent)
+        data = files.read_bytes(resolved, GENERATED_SOURCE_LIMIT)
+    except OSError as error:
+        raise ReplayError(f"cannot load the generated source: {printable(str(error))}") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ReplayError(f"{printable(path)} changed since the record was written (its SHA-256 differs): Inductor "
+                          f"generated another kernel there; {rerun}")
+    module = types.ModuleType(f"smemguard_replay_{digest[:16]}")
+    module.__file__ = str(resolved)
+    try:
+        exec(compile(data, str(resolved), "exec"), module.__dict__)  # noqa: S102 (the bytes just checked)
+    except Exception as error:
+        raise ReplayError(f"the generated module {printable(path)} does not load here ({type(error).__name__}: "
+                          f"{printable(str(error).splitlines()[0] if str(error) else '')[:200]}); replay needs the "
+                          "torch and Triton it was generated with") from None
+    return module
 
 
 def parameter_problems(jit, record: dict, given: set) -> list[str]:

@@ -69,7 +69,7 @@ def load(path: Path, problems: Problems, index: int | None = None, kernel: str |
 #: How replay checks each field it reads from a record; record_fields.FIELDS says which a record must have.
 #: ``args`` entries are checked by :func:`rebuild.argument_problems`.
 CHECKS = {
-    "kernel": Expect("module:qualname of a Triton kernel", rebuild.kernel_name),
+    "kernel": Expect("module:qualname of a Triton kernel, or Inductor's name of one", rebuild.kernel_name),
     "num_warps": Expect(f"a power of two from 1 to {decision_cache.MAX_WARPS}",
                         lambda value: decision_cache.power_of_two(value, decision_cache.MAX_WARPS)),
     "num_stages": bounded(decision_cache.MAX_STAGES),
@@ -88,6 +88,10 @@ CHECKS = {
     "limit": Expect("an object {device, emulated} of byte counts", lambda value: isinstance(value, dict) and all(
         bounded(MAX_INT).or_null().test(value.get(k)) for k in ("device", "emulated"))),
     "source": TEXT,
+    "inductor": Expect("an object {kernel_name, heuristic_type, source_hash, source_file, source_sha256}",
+                       lambda value: isinstance(value, dict) and all(
+                           isinstance(value[k], str) and len(value[k]) <= 4096
+                           for k in ("source_file", "source_sha256") if k in value)),
     "grid": bounded_list(MAX_GRID, 0, range(1, 4)),
     "args": OBJECT,
     "signature": Expect("an object of Triton types by parameter name", lambda value: isinstance(value, dict) and all(
@@ -112,8 +116,9 @@ DEVICE = {"backend": one_of("cuda", "hip"), "arch": Expect(
 NO_LAUNCH = {
     "torch.compile": "FlexAttention's tiles were chosen before Inductor rendered the kernel: no kernel was compiled "
                      "for it; run the compiled program again under the recorded limit (SMEMGUARD_MAX_SHARED)",
-    "CachingAutotuner": "a torch.compile kernel: Inductor compiled and loaded it itself, with no launch; run the "
-                        "compiled program again under the recorded limit (SMEMGUARD_MAX_SHARED)",
+    "CachingAutotuner": "a torch.compile kernel: Inductor compiled and loaded it itself, with no launch, and this "
+                        "record keeps no signature of its compile; run the compiled program again under the recorded "
+                        "limit (SMEMGUARD_MAX_SHARED)",
 }
 
 
@@ -157,7 +162,7 @@ def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
     found = check(record)
     if found:
         raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
-    obj, jit = rebuild.import_kernel(record["kernel"])
+    obj, jit = rebuild.import_kernel(record)
     launched = _launched(record)
     recorded = record["args"] if launched else rebuild.stand_ins(record)
     found = rebuild.parameter_problems(jit, record, {*recorded, *record["constexprs"]})

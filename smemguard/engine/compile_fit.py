@@ -350,7 +350,7 @@ def _described(source, kernel) -> dict:
     """What the record says of the compile: what it was given (Triton's signature, specialization and constexprs:
     what was compiled, whatever the launch passed), and the launch that caused it (its shapes, grid and config,
     and the phase: a launch's compile, a warm-up's, or an autotuner timing a config)."""
-    fields = recorded.compile_fields(source, kernel)
+    fields = recorded.compile_fields(source, kernel.metadata.num_warps, kernel.metadata.num_stages)
     launch, warmup = recorded.in_progress(source.fn)
     if launch is None:
         return fields

@@ -34,13 +34,15 @@ compiled. A stored variant is applied only if recovery could have produced it fr
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import re
 import time
+from pathlib import Path
 
-from ..facts import process
-from ..kernels import introspect, parameters
+from ..facts import files, process
+from ..kernels import introspect, parameters, recorded
 from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
@@ -258,7 +260,7 @@ def load_remembered(autotuner, settings) -> None:
         _record(autotuner, overflow, [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False)
                                       for config, _, _ in replaced],
                 trial, [(action, candidate) for _, action, candidate in replaced], started, settings, steps,
-                remembered=True)
+                remembered=True, configs=[config for config, _, _ in replaced])
 
 
 def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
@@ -299,26 +301,30 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
             with steps.skippable("store the decisions"):
                 _remember(autotuner, overflow, replaced, store)
     _record(autotuner, overflow, failing, trial, [(action, candidate) for _, action, candidate in replaced], started,
-            settings, steps)
+            settings, steps, configs=configs)
     return bool(loaded)
 
 
 def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
-            settings, steps: Steps, remembered: bool = False) -> None:
+            settings, steps: Steps, remembered: bool = False, configs: list = ()) -> None:
     action = chosen[0][0] if chosen else (OBSERVED if settings.observe_only else RERAISED)
     final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
     name = kernel_name(autotuner)
     device = _device(autotuner)
     config = failing[0].config if failing else None
     reason = None if chosen else _why_not(autotuner, name, settings)
+    described, generated = {}, {}
+    with steps.skippable("describe the compile"):
+        described, generated = _described(autotuner, configs[0]) if configs else ({}, {})
     incident = incidents.Incident(
         kernel=name, launched_as="CachingAutotuner", phase="compile", action=action, final=final,
         resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
         device=device, internal_steps=steps.failed, reason=reason,
         attempts=attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),
         remembered=remembered, extras={
+            **described,
             "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
-                         "source_hash": introspect.source_hash(autotuner.fn)},
+                         "source_hash": introspect.source_hash(autotuner.fn), **generated},
             "config": config, "compile_ms": round(trial.compile_ms, 3)})
     verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else reason
     record = incident.record()
@@ -326,6 +332,24 @@ def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen:
                    "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
                    overflow.resource, overflow.required, overflow.limit, config, verdict,
                    len(trial.attempts), record["recovery_ms"])
+
+
+def _described(autotuner, config) -> tuple[dict, dict]:
+    """(what Inductor's compile of ``config`` was given, as the compile-time core's records keep it; the generated
+    module that holds the kernel, ``{source_file, source_sha256}``), from which ``smemguard replay`` compiles the
+    same variant while Inductor's cache still holds that file."""
+    from triton.compiler.compiler import ASTSource
+
+    meta = autotuner._create_compile_meta(config)  # as Inductor's _precompile_config builds the compile
+    source = ASTSource(autotuner.fn, meta["signature"], meta["constants"], meta["configs"][0])
+    path = autotuner.fn.fn.__code__.co_filename
+    digest = hashlib.sha256(files.read_bytes(Path(path), GENERATED_SOURCE_LIMIT)).hexdigest()
+    return (recorded.compile_fields(source, config.num_warps, config.num_stages),
+            {"source_file": path, "source_sha256": digest})
+
+
+#: A generated kernel module larger than this is not hashed for the record (Inductor's are kilobytes).
+GENERATED_SOURCE_LIMIT = 4 * 2**20
 
 
 def _why_not(autotuner, name: str, settings) -> str:

@@ -128,10 +128,10 @@ def failed_launch_fields(error) -> dict:
     return launch_fields(launch, failing)
 
 
-def compile_fields(source, failing) -> dict:
-    """The record's fields of a compile of ``source`` (Triton's ``ASTSource``) whose kernel ``failing`` did not
-    fit, from what the compile was given: Triton's signature (a type per parameter), the constexprs, the
-    specialization (``"div16"``, ``"==1"`` or ``""`` per int or pointer parameter) and the config."""
+def compile_fields(source, num_warps: int, num_stages: int) -> dict:
+    """The record's fields of a compile of ``source`` (Triton's ``ASTSource``) with ``num_warps`` and ``num_stages``
+    that did not fit, from what the compile was given: Triton's signature (a type per parameter), the constexprs,
+    the specialization (``"div16"``, ``"==1"`` or ``""`` per int or pointer parameter) and the config."""
     jit = source.fn
     names = jit.arg_names
     constants = {names[path[0]]: value for path, value in source.constants.items()
@@ -157,10 +157,9 @@ def compile_fields(source, failing) -> dict:
         "signature": {name: kind if isinstance(kind, str) else str(kind) for name, kind in source.signature.items()},
         "constexprs": constexprs,
         "specialization": spec,
-        "num_warps": failing.metadata.num_warps,
-        "num_stages": failing.metadata.num_stages,
-        "config": " ".join([*config, f"num_warps={failing.metadata.num_warps}",
-                            f"num_stages={failing.metadata.num_stages}"]),
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "config": " ".join([*config, f"num_warps={num_warps}", f"num_stages={num_stages}"]),
     }
 
 

@@ -19,7 +19,8 @@ TRITON = "every record of a Triton kernel"
 LAUNCH = "the launch guard"
 DESCRIBED_LAUNCH = "the launch behind it (kernels.recorded.launch_fields): the launch guard's and a warm-up's, the " \
     "compile-time core's where a launch caused the compile, a wrapper's that chose its tiles again"
-DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields): the compile-time core's"
+DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields): the compile-time core's and " \
+    "Inductor's load recovery's"
 COMPILE = "the compile-time core"
 INDUCTOR = "Inductor's load recovery"
 FLEX = "FlexAttention's configs"
@@ -88,7 +89,7 @@ FIELDS = (
     Field("compile_ms", (LAUNCH, INDUCTOR)),
     Field("skipped", (LAUNCH,)),
     Field("timings_ms", (LAUNCH,)),
-    Field("inductor", (INDUCTOR,)),
+    Field("inductor", (INDUCTOR,), replay=READ),
     Field("head_dim", (FLEX,)),
     Field("dtype", (FLEX,)),
     Field("shape_class", (PATCHED_WRAPPER, DECLARED_WRAPPER)),
