@@ -282,6 +282,22 @@ EXERCISE = {
             with inductor_gpu(pytest.MonkeyPatch(), "L4", cache_dir=CACHE):
                 template_matmul("L4", num_stages=2 + round_).precompile()
     """,
+    "inductor_autotune": """
+        import os, tempfile
+        import pytest
+        from torch._inductor.autotune_process import TritonBenchmarkRequest
+        from inductor_kernels import inductor_gpu
+        MODULE = os.path.join(tempfile.mkdtemp(), "choice.py")
+        with open(MODULE, "w") as out:
+            out.write("from inductor_kernels import template_matmul\\nkernel = template_matmul('L4', num_stages=2)\\n")
+
+        def exercise(round_):
+            request = object.__new__(TritonBenchmarkRequest)  # a choice max-autotune precompiles
+            request.__dict__.update(module_cache_key=f"choice{round_}", module_path=MODULE, kernel_name="kernel",
+                                    input_tensor_meta=[], output_tensor_meta=None, _benchmark_module=None)
+            with inductor_gpu(pytest.MonkeyPatch(), "L4", cache_dir=CACHE):
+                request.precompile()
+    """,
     "inductor_flex_configs": """
         import torch
         from smemguard.testing import fake_gpu

@@ -255,6 +255,8 @@ def _show_attempts(incident: dict | None, say) -> None:
 
 #: The decisions that chose other tiles or another config: replayed by compiling the config they chose.
 CHOSE_A_CONFIG = ("config_changed", "tiles_reduced")
+#: The records of what fits at no stage count: replayed as recorded when smemguard still cannot fit it.
+NOTHING_FITTED = ("reraised", "autotune_skipped")
 
 
 def _recovery_as_recorded(record: dict, launch, limit: int, scratch: str, say) -> bool:
@@ -279,7 +281,7 @@ def _recovery_as_recorded(record: dict, launch, limit: int, scratch: str, say) -
     _show_attempts(incident, say)
     if not isinstance(outcome, Exception):
         return True
-    if record["action"] == "reraised":
+    if record["action"] in NOTHING_FITTED:
         say(f"  still not recovered, as recorded: {_first_line(outcome)}")
         return True
     say(f"  not recovered: the launch still fails: {_first_line(outcome)}")
@@ -382,7 +384,7 @@ def _replay_on_gpu(jit, record: dict, launch, limit: int, say) -> int:
                                      lambda: launch("cuda"))
         _show_attempts(incident, say)
         if isinstance(outcome, Exception):
-            if record["action"] == "reraised":
+            if record["action"] in NOTHING_FITTED:
                 say(f"  still not recovered, as recorded: {_first_line(outcome)}")
                 return 0
             say(f"  not recovered: {_first_line(outcome)}")

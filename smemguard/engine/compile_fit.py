@@ -60,7 +60,7 @@ from pathlib import Path
 from ..facts import process
 from ..kernels import introspect, recorded
 from ..store import decision_cache, incidents
-from ..store.decision import CONFIG_CHANGED, SHARED, STAGES_REDUCED
+from ..store.decision import AUTOTUNE_SKIPPED, CONFIG_CHANGED, SHARED, STAGES_REDUCED
 from .candidates import next_stage_count
 from .steps import StepFailed, Steps
 
@@ -160,7 +160,7 @@ def stored(error) -> tuple[str, dict] | None:
     return error.stored if isinstance(error, _refusal_type()) else None
 
 
-def fit(compile_fn, args: tuple, kwargs: dict, kernel, settings):
+def fit(engine, compile_fn, args: tuple, kwargs: dict, kernel):
     """``kernel`` (what ``compile_fn(*args, **kwargs)`` returned), or a fewer-stage compile of the same
     source that fits the device it will load on. Never raises."""
     try:
@@ -171,13 +171,24 @@ def fit(compile_fn, args: tuple, kwargs: dict, kernel, settings):
     if overflow is None:
         return kernel
     steps = Steps(_name(args))
+    fitted = None
     try:
-        return _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps)
+        fitted = _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps)
     except StepFailed:  # logged where it failed: the kernel is handed on as compiled, the launch guard behind it
-        return kernel
+        pass
     except Exception:
         steps.note("fit the compiled kernel", "it is handed on as compiled")
-        return kernel
+    if fitted is None and _timing_a_triton_config():
+        with steps.skippable("record the skipped config"):
+            _record_skipped(engine, _bound(args, kwargs)[0], kernel, overflow, steps)
+    return kernel if fitted is None else fitted
+
+
+def _timing_a_triton_config() -> bool:
+    """Whether an autotuner built on Triton's is timing a config on this thread (``Autotuner._bench``): it counts a
+    config that does not fit as failed and chooses another, so nothing the caller asked for fails. (Inductor's
+    choices are recorded by its load recovery, which compiles candidates of its own first.)"""
+    return bool(process.benchmarking) and not isinstance(process.benchmarking.value, process.TimedChoice)
 
 
 def _name(args) -> str:
@@ -222,22 +233,24 @@ def _gpu_in_use() -> bool:
         return False
 
 
-def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
+def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
+    """A fewer-stage compile of ``kernel``'s source that fits, recorded and stored; None when none does."""
     from triton.compiler.compiler import ASTSource
 
     from ..kernels.parameters import OptionIsAParameter, knobs_of, lowered_constexprs
 
+    settings = engine.settings
     device, required, limit = overflow
     source, target, options, rest = _bound(args, kwargs)
     stages = kernel.metadata.num_stages
     jit = getattr(source, "fn", None)
     if not isinstance(source, ASTSource) or stages <= 1 or jit is None:
-        return kernel
+        return None
     futile = stored = None
     with steps.skippable("read the kernel's loops"):
         futile = knobs_of(jit).stages_futile()
     if futile:
-        return kernel
+        return None
     started = time.perf_counter()
     with steps.required("key the variant"):
         case = _case(jit, kernel, device)
@@ -262,12 +275,12 @@ def _refit(compile_fn, args, kwargs, kernel, overflow, settings, steps: Steps):
         if fitted is None or fitted.metadata.shared > limit:
             fitted = _fewer_stages(compile_at, stages, required, limit)
     if fitted is None or fitted.metadata.shared > limit:
-        return kernel
+        return None
     count = fitted.metadata.num_stages
     final = ", ".join(f"{name}={value}" for name, value in next(attempt for attempt in reversed(attempts)
                                                                   if attempt["num_stages"] == count).items()
                       if name != "shared")
-    _record(source, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started, settings,
+    _record(engine, source, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started,
             steps)
     if not stored:
         with steps.skippable("store the decision"):
@@ -326,24 +339,57 @@ def _store(case, kernel, count: int, overflow, settings) -> None:
         required=required, options={"num_stages": count}))
 
 
-def _record(source, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float, settings,
+def _record(engine, source, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float,
             steps: Steps) -> None:
     device, required, limit = overflow
-    jit = source.fn
-    name = introspect.kernel_name(jit)
+    name = introspect.kernel_name(source.fn)
     stages = kernel.metadata.num_stages
     described = {}
     with steps.skippable("describe the launch"):
         described = _described(source, kernel)
+    phase = described.pop("phase", "compile")
+    # An autotuner times each config: one record per kernel and shape class, not one per config timed.
+    if phase == "autotune" and not engine.memory.first("autotune", (name, device, limit, _shape_class(described),
+                                                                    STAGES_REDUCED)):
+        return
     incident = incidents.Incident(
-        kernel=name, launched_as=LAUNCHED_AS, phase=described.pop("phase", "compile"), action=STAGES_REDUCED,
-        final=final, resource=SHARED, required=required, limit_hit=limit, started=started, device=device,
-        internal_steps=steps.failed, attempts=[{"num_stages": stages, "shared": required}, *attempts],
-        compiles=len(attempts), remembered=remembered, extras=described)
-    incidents.report(incident, settings.log_path, ("compile", name, device, limit, stages, required),
+        kernel=name, launched_as=LAUNCHED_AS, phase=phase, action=STAGES_REDUCED, final=final, resource=SHARED,
+        required=required, limit_hit=limit, started=started, device=device, internal_steps=steps.failed,
+        attempts=[{"num_stages": stages, "shared": required}, *attempts], compiles=len(attempts),
+        remembered=remembered, extras=described)
+    incidents.report(incident, engine.settings.log_path, ("compile", name, device, limit, stages, required),
                      "smemguard: %s: shared memory %d > %d B at num_stages=%d; compiled with %s (%d B) "
                      "before it loaded, %d compile%s", name, required, limit, stages, final, fitted.metadata.shared,
                      len(attempts), "" if len(attempts) == 1 else "s")
+
+
+def _record_skipped(engine, source, kernel, overflow, steps: Steps) -> None:
+    """A config an autotuner is timing that fits at no stage count: it counts it as failed and chooses another.
+    Recorded once per kernel and shape class as ``autotune_skipped``, never as a failed launch."""
+    device, required, limit = overflow
+    name = introspect.kernel_name(source.fn)
+    described = _described(source, kernel)
+    described.pop("phase", None)
+    if not engine.memory.first("autotune", (name, device, limit, _shape_class(described), AUTOTUNE_SKIPPED)):
+        return
+    incident = incidents.Incident(
+        kernel=name, launched_as=LAUNCHED_AS, phase="autotune", action=AUTOTUNE_SKIPPED, final=None, resource=SHARED,
+        required=required, limit_hit=limit, started=time.perf_counter(), device=device, internal_steps=steps.failed,
+        reason="no stage count of this config fits; the autotuner times it as failed and chooses among the others",
+        attempts=[{"num_stages": kernel.metadata.num_stages, "shared": required}], extras=described)
+    incidents.report(incident, engine.settings.log_path, ("autotune", name, device, limit),
+                     "smemguard: %s: shared memory %d > %d B with %s while an autotuner timed it; skipped (the "
+                     "autotuner chooses among the configs that fit)", name, required, limit,
+                     described.get("config", "?"))
+
+
+def _shape_class(described: dict):
+    """The shape class of a record: the autotuner's key where a launch names one, else the tensors' shapes."""
+    key = described.get("autotune_key")
+    if key is not None:
+        return tuple(map(str, key))
+    return tuple(sorted((name, str(arg.get("shape"))) for name, arg in (described.get("args") or {}).items()
+                        if isinstance(arg, dict)))
 
 
 def _described(source, kernel) -> dict:
@@ -353,6 +399,6 @@ def _described(source, kernel) -> dict:
     fields = recorded.compile_fields(source, kernel.metadata.num_warps, kernel.metadata.num_stages)
     launch, warmup = recorded.in_progress(source.fn)
     if launch is None:
-        return fields
+        return {**fields, "phase": "autotune"} if process.benchmarking else fields
     phase = "autotune" if process.benchmarking else "warmup" if warmup else "compile"
     return {**recorded.launch_fields(launch, kernel), **fields, "phase": phase}

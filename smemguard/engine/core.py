@@ -34,6 +34,15 @@ class Memory:
         looks); change it, or read it whole, under :attr:`lock`."""
         return self._tables.setdefault(name, {})
 
+    def first(self, table: str, key) -> bool:
+        """True the first time ``key`` is seen in ``table`` by this install (what is recorded once per case)."""
+        with self.lock:
+            seen = self.table(table)
+            if key in seen:
+                return False
+            seen[key] = True
+            return True
+
     def clear(self) -> None:
         with self.lock:
             for table in self._tables.values():
@@ -90,7 +99,7 @@ class Engine:
         """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`.compile_fit`)."""
         from . import compile_fit
 
-        return kernel if self.closed else compile_fit.fit(compile_fn, args, kwargs, kernel, self.settings)
+        return kernel if self.closed else compile_fit.fit(self, compile_fn, args, kwargs, kernel)
 
     def on_inductor_overflow(self, autotuner, error, configs) -> bool | None:
         """True when variants that fit were loaded; False when none fits (or ``error`` is not an overflow);
@@ -101,8 +110,7 @@ class Engine:
             return None
         try:
             with process.engine_compiling.scope():
-                return inductor.overflow_of(error) is not None and inductor.recover(autotuner, error, configs,
-                                                                                   self.settings)
+                return inductor.overflow_of(error) is not None and inductor.recover(self, autotuner, error, configs)
         except Exception:
             process.warn_once(log, ("inductor", "internal"), "smemguard: internal error while recovering a "
                               "torch.compile kernel; Inductor's own error is raised (smemguard's bug: please report "

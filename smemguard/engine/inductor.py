@@ -46,7 +46,7 @@ from ..kernels import introspect, parameters, recorded
 from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
-from ..store.decision import BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from ..store.decision import AUTOTUNE_SKIPPED, BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
 from .candidates import MAX_CANDIDATES, fewer_warps, variant
 from .steps import Steps
 
@@ -263,12 +263,13 @@ def load_remembered(autotuner, settings) -> None:
                 remembered=True, configs=[config for config, _, _ in replaced])
 
 
-def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
+def recover(engine, autotuner, error: BaseException, configs: list) -> bool:
     """Load a fitting variant of each of ``configs`` (what Inductor compiled for ``autotuner``) after
     ``error`` said none fits: True when at least one loads (``autotuner`` then holds their compile results
     and launchers, as after ``_make_launchers``), False when ``error`` stands (its record is written)."""
     from torch._dynamo.device_interface import DeviceGuard
 
+    settings = engine.settings
     started = time.perf_counter()
     overflow = overflow_of(error)
     device = _device(autotuner)
@@ -300,24 +301,37 @@ def recover(autotuner, error: BaseException, configs: list, settings) -> bool:
         if store is not None:
             with steps.skippable("store the decisions"):
                 _remember(autotuner, overflow, replaced, store)
-    _record(autotuner, overflow, failing, trial, [(action, candidate) for _, action, candidate in replaced], started,
-            settings, steps, configs=configs)
+    chosen = [(action, candidate) for _, action, candidate in replaced]
+    timed = process.benchmarking.value
+    if not isinstance(timed, process.TimedChoice):
+        _record(autotuner, overflow, failing, trial, chosen, started, settings, steps, configs=configs)
+    elif engine.memory.first("autotune", (kernel_name(autotuner), device, limit, timed.shape_class, bool(chosen))):
+        # A choice max-autotune is timing: once per kernel and shape class, and nothing that fits is not a failure.
+        _record(autotuner, overflow, failing, trial, chosen, started, settings, steps, configs=configs,
+                timed=timed)
     return bool(loaded)
 
 
 def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
-            settings, steps: Steps, remembered: bool = False, configs: list = ()) -> None:
-    action = chosen[0][0] if chosen else (OBSERVED if settings.observe_only else RERAISED)
+            settings, steps: Steps, remembered: bool = False, configs: list = (),
+            timed: process.TimedChoice | None = None) -> None:
+    """The record of one load recovery; ``timed``: the choice max-autotune was timing, whose failure to fit is
+    ``autotune_skipped`` (Inductor times it as failed and chooses another), never a re-raise."""
+    unfit = AUTOTUNE_SKIPPED if timed is not None else OBSERVED if settings.observe_only else RERAISED
+    action = chosen[0][0] if chosen else unfit
     final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
     name = kernel_name(autotuner)
     device = _device(autotuner)
     config = failing[0].config if failing else None
-    reason = None if chosen else _why_not(autotuner, name, settings)
+    reason = None if chosen else _why_not(autotuner, name, settings) if timed is None else (
+        "no stage count of its configs fits; Inductor's max-autotune times this choice as failed and chooses among "
+        "the others")
     described, generated = {}, {}
     with steps.skippable("describe the compile"):
         described, generated = _described(autotuner, configs[0]) if configs else ({}, {})
     incident = incidents.Incident(
-        kernel=name, launched_as="CachingAutotuner", phase="compile", action=action, final=final,
+        kernel=name, launched_as="CachingAutotuner", phase="autotune" if timed else "compile", action=action,
+        final=final,
         resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
         device=device, internal_steps=steps.failed, reason=reason,
         attempts=attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),

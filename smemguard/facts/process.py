@@ -13,7 +13,7 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from . import versions
 
@@ -289,7 +289,14 @@ class ThreadValue:
         return self.value is not None
 
 
-#: The config ``Autotuner._bench`` is timing on this thread (``patches/autotuner_bench``), None outside a benchmark.
+class TimedChoice(NamedTuple):
+    """A choice Inductor's max-autotune compiles or times (``patches/inductor_autotune``)."""
+
+    shape_class: tuple  # its inputs' and output's dtypes, sizes and strides
+
+
+#: What an autotuner is timing on this thread: the ``triton.Config`` of ``Autotuner._bench``
+#: (``patches/autotuner_bench``) or Inductor's :class:`TimedChoice`; None outside a benchmark.
 benchmarking = ThreadValue()
 
 

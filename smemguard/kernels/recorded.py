@@ -106,8 +106,8 @@ def in_progress(jit) -> tuple[Launch | None, bool]:
     try:
         if not any(layer is jit for layer in introspect.chain(launched)):
             return None, False
-        timed = process.benchmarking.value
-        return resolve(launched, grid, args, kwargs, config=None if timed is True else timed), warmup
+        timed = process.benchmarking.value  # a triton.Config inside Autotuner._bench
+        return resolve(launched, grid, args, kwargs, config=timed if hasattr(timed, "all_kwargs") else None), warmup
     except Exception:
         return None, False
 

@@ -51,6 +51,7 @@ MODULES = (
     "lmdeploy_flash_attention",
     "inductor_static_launcher",
     "inductor_launchers",
+    "inductor_autotune",
     "inductor_flex_configs",
     "inductor_cache_key",
 )

@@ -23,6 +23,10 @@ BLOCKS_REDUCED = "blocks_reduced"
 #: records written before 2026-12-03 spell it ``tile_reduced``).
 TILES_REDUCED = "tiles_reduced"
 
+#: A config (or Inductor choice) an autotuner was timing that fits at no stage count: the autotuner counts it as
+#: failed and chooses another, so nothing the caller asked for failed (recorded once per kernel and shape class).
+AUTOTUNE_SKIPPED = "autotune_skipped"
+
 #: The resource every overflow smemguard handles is named with (Triton's ``OutOfResources.name``).
 SHARED = "shared memory"
 
