@@ -100,7 +100,7 @@ def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
         raise TypeError(f"smallest must be a positive integer, not {smallest!r}")
     jits = []
     for kernel in kernels:
-        jit = introspect.jit_function(kernel)
+        jit = introspect.declared_kernel(kernel)
         if jit is None or not hasattr(jit, "arg_names"):
             raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotune or heuristics), not {kernel!r}")
         missing = [name for name in names if name not in jit.arg_names]
