@@ -125,3 +125,87 @@ def test_stored_tiles_the_wrapper_could_not_have_learnt_are_ignored_and_the_atte
     assert [record["final"] for record in records(incident_log)] == ["BLOCK_M=64 BLOCK_N=64"]
     [ignored] = [record.getMessage() for record in caplog.records if "ignoring stored decision" in record.getMessage()]
     assert f"the tiles {value} are not a halving of [128, 64]" in ignored
+
+
+# -- 2: alternatives only where the grid follows the tile that runs ----------------------------------------------
+
+N = 256
+#: 128x128x64 fp16 tiles need 32768 B at one stage on sm_89 (matmul and persistent alike); 32x32x32 4096 B.
+MATMUL_LIMIT = 30000
+BM = BN = 128
+
+
+def matmul_errors(launches: list) -> list:
+    """The largest error of C = A @ B the interpreter computes for each (kernel, grid, constexprs) launched, C
+    zeroed first: a program the grid leaves out leaves its tile of C at zero."""
+    return interpreted(f"""
+        import json, torch
+        import kernels
+        generator = torch.Generator().manual_seed(0)
+        a, b = (torch.randn({N}, {N}, generator=generator).half() for _ in range(2))
+        expected = a.float() @ b.float()
+        errors = []
+        for name, grid, constexprs in {launches!r}:
+            c = torch.zeros({N}, {N}, dtype=torch.float16)
+            args = kernels.matmul_args(a, b, c)
+            if name == "vllm_style_persistent_matmul":
+                args = (*args[:3], None, *args[3:])
+            getattr(kernels, name)[tuple(grid)](*args, **constexprs)
+            errors.append(float((c.float() - expected).abs().max()))
+        print(json.dumps(errors))
+    """)
+
+
+def launched(gpu, record: dict, tiles: tuple) -> tuple:
+    """(grid, tiles by name) of the last launch the harness saw, its tiles as the record's final config gives them."""
+    final = dict(token.split("=") for token in record["final"].split())
+    return list(gpu.launches[-1].grid), {name: int(final[name]) for name in tiles}
+
+
+GRIDS = {
+    # The issue's grid: a function that closes over the caller's tiles and ignores its argument.
+    "closes over the caller's tiles": ("matmul_kernel", lambda meta: (triton.cdiv(N, BM), triton.cdiv(N, BN))),
+    "reads the tiles": ("matmul_kernel", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]),
+                                                       triton.cdiv(N, meta["BLOCK_N"]))),
+    # A persistent kernel loops over the tiles itself: its grid (4 programs) does not change with them, but reads them.
+    "persistent": ("vllm_style_persistent_matmul", lambda meta: (
+        min(meta["NUM_SMS"], triton.cdiv(N, meta["BLOCK_SIZE_M"]) * triton.cdiv(N, meta["BLOCK_SIZE_N"])),)),
+}
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_alternatives_run_only_where_the_grid_follows_them_and_c_is_whole(install_guard, incident_log, triton_cache,
+                                                                          grid):
+    import kernels
+
+    name, grid_function = GRIDS[grid]
+    kernel = getattr(kernels, name)
+    persistent = name == "vllm_style_persistent_matmul"
+    tiles = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K") if persistent else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+    smemguard.register_alternatives(kernel, [triton.Config(dict(zip(tiles, (32, 32, 32))), num_stages=1)])
+    a, b, c = (torch.empty(N, N, dtype=torch.float16) for _ in range(3))
+    args = kernels.matmul_args(a, b, c)
+    args, own = ((*args[:3], None, *args[3:]), {"NUM_SMS": 4, "HAS_BIAS": False}) if persistent else (args, {})
+    install_guard()
+    try:
+        with fake_gpu("L4", max_shared=MATMUL_LIMIT, cache_dir=triton_cache) as gpu:
+            try:
+                kernel[grid_function](*args, **dict(zip(tiles, (BM, BN, 64))), **own, num_stages=1)
+                error = None
+            except triton.runtime.errors.OutOfResources as raised:
+                error = raised
+    finally:
+        smemguard.unregister_alternatives(kernel)
+    [record] = records(incident_log)
+    if gpu.launches:  # whatever ran computes all of C
+        grid_seen, constexprs = launched(gpu, record, tiles)
+        assert matmul_errors([(name, grid_seen, {**constexprs, **own})]) == [pytest.approx(0.0, abs=0.1)], \
+            f"{grid}: {record['final']} on grid {grid_seen} leaves part of C unwritten"
+    if grid == "closes over the caller's tiles":
+        assert error is not None and gpu.launches == [], "the caller's tiles kept: its own error"
+        assert record["action"] == "reraised"
+        assert "the grid function reads none of their parameters from its meta-parameters" in record["reason"]
+        assert any("reads none of their parameters" in note for note in error.__notes__)
+    else:
+        assert error is None and record["action"] == "config_changed" and len(gpu.launches) == 1
+        assert gpu.launches[0].grid == ((4, 1, 1) if persistent else (8, 8, 1))

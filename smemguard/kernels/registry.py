@@ -58,7 +58,9 @@ def register_alternatives(kernel, configs) -> None:
     first. Register only a kernel that masks its tails and whose callers pass the grid as a
     function of the meta-parameters (``grid=lambda meta: (cdiv(M, meta["BLOCK_M"]),)``): a
     launch with a tuple grid keeps its tiles whatever is registered, since the caller computed
-    that grid from them. Registering again replaces the previous list.
+    that grid from them, and so does one whose grid function reads none of an alternative's
+    parameters from its argument (``lambda meta: (cdiv(M, BLOCK_M),)`` closes over the caller's
+    tile). Registering again replaces the previous list.
     """
     name = _registered_name(kernel)
     try:
