@@ -14,7 +14,7 @@ from typing import Any, Callable
 from ..facts import process
 from ..kernels import introspect
 from ..kernels.launch import Attempt
-from ..store import decision_cache, incidents
+from ..store import decision_cache, incidents, tile_entries
 from ..store.decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
 from . import compile_fit
 from .steps import Steps
@@ -164,8 +164,8 @@ def stored_tiles(declaration, wrapper: str, shape: tuple, answered: tuple, setti
     entry = store.get(TABLE, key)
     if entry is None:
         return None
-    tiles = decision_cache.entry_tiles(entry)
-    why = decision_cache.tiles_problem(answered, tiles, declaration.smallest)
+    tiles = tile_entries.stored(entry)
+    why = tile_entries.not_a_halving(answered, tiles, declaration.smallest)
     if why is not None:
         compile_fit.ignored(key, why)
         return None

@@ -46,7 +46,7 @@ import wrapt
 from ..facts import process
 from ..kernels import introspect
 from ..kernels.launch import Attempt
-from ..store import decision_cache
+from ..store import tile_entries
 from ..store.decision import SHARED
 from . import wrapper_outcomes
 from .steps import StepFailed, Steps
@@ -155,8 +155,8 @@ class _Declaration:
         return answered if known is None else tuple(min(pair) for pair in zip(answered, known))
 
     def smaller(self, tiles: tuple) -> tuple | None:
-        """The next tiles to try (:func:`smemguard.store.decision_cache.halved`), or None below ``smallest``."""
-        return decision_cache.halved(tiles, self.smallest)
+        """The next tiles to try (:func:`smemguard.store.tile_entries.halved`), or None below ``smallest``."""
+        return tile_entries.halved(tiles, self.smallest)
 
     def label(self, tiles: tuple) -> str:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))

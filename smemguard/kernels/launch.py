@@ -121,9 +121,11 @@ class Launch:
 
     def alternatives(self) -> list:
         """The alternatives registered for the kernel (:func:`smemguard.register_alternatives`) that this launch may
-        switch to: those whose parameters its grid function reads (:meth:`grid_reads`), so that the grid follows
-        the tile that runs. A grid computed from the tiles the caller launched would leave most of the output
-        unwritten with a smaller one."""
+        switch to: none through a tuner (its configs are its own), else those whose parameters its grid function
+        reads (:meth:`grid_reads`), so that the grid follows the tile that runs. A grid computed from the tiles the
+        caller launched would leave most of the output unwritten with a smaller one."""
+        if self.tuner is not None:
+            return []
         reads = self.grid_reads()
         return [config for config in registry.alternatives_for(self.jit) if reads & config.kwargs.keys()]
 

@@ -52,7 +52,7 @@ from typing import Any
 from ..facts import files, process, untrusted
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 from ..kernels import introspect
-from . import incidents
+from . import incidents, tile_entries
 from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
 
 log = logging.getLogger(__name__)
@@ -149,51 +149,8 @@ _OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
 _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
-#: What a wrapper's tile entry holds (:mod:`smemguard.engine.wrapper_tiles`): the tile that fit (``value``), the
-#: tiles' names (``tile``, ``BLOCK_M,BLOCK_N``), the tiles the wrapper answered (``from_config``, ``BLOCK_M=128
-#: BLOCK_N=64``), and what did not fit.
-_TILE = Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16)
-_TILES_NEEDS = {"value": Expect("a tile from 1 to 65536, or a list of 1 to 8 of them", lambda value: _TILE.test(value)
-                                or (type(value) is list and 1 <= len(value) <= 8 and all(map(_TILE.test, value)))),
-                "tile": Expect("the tiles' names, separated by commas", lambda value: isinstance(value, str)
-                               and all(name.isidentifier() for name in value.split(","))),
-                "from_config": TEXT, "resource": TEXT, "required": _REQUIRED}
-
-
-def halved(tiles: tuple, smallest: int) -> tuple | None:
-    """The next tiles a declared wrapper tries after ``tiles`` did not fit: every tile equal to the largest halved
-    (equal tiles stay equal, a smaller one waits), or None when that would go below ``smallest``."""
-    largest = max(tiles)
-    if largest // 2 < smallest:
-        return None
-    return tuple(tile // 2 if tile == largest else tile for tile in tiles)
-
-
-def tiles_problem(answered: tuple, tiles: tuple, smallest: int = 1) -> str | None:
-    """Why recovery could not have produced ``tiles`` from the tiles a wrapper ``answered`` (None when it could:
-    they are one of the halvings of :func:`halved`). Checked when an entry is imported or read, against the tiles
-    the entry says were answered, and where it is applied, against those the wrapper answers there."""
-    halving = answered
-    while (halving := halved(halving, smallest)) is not None:
-        if halving == tiles:
-            return None
-    return (f"the tiles {list(tiles)} are not a halving of {list(answered)}, the tiles the wrapper answered (the "
-            f"largest halved together{f', none below {smallest}' if smallest > 1 else ''})")
-
-
-def entry_tiles(entry: dict) -> tuple:
-    """The tiles a tiles entry holds (one tile as a number, as entries written before several)."""
-    return (entry["value"],) if type(entry["value"]) is int else tuple(entry["value"])
-
-
-def _answered(entry: dict) -> tuple | None:
-    """The tiles a tiles entry says the wrapper answered; None where its ``from_config`` does not name each of its
-    ``tile`` once, in order, with a tile."""
-    given = [token.partition("=") for token in entry["from_config"].split()]
-    if [name for name, _, _ in given] != entry["tile"].split(",") or not all(
-            value.isascii() and value.isdigit() and len(value) <= 5 for _, _, value in given):
-        return None
-    return tuple(int(value) for _, _, value in given)
+#: What a wrapper's tile entry holds: its own fields (:mod:`.tile_entries`), and what did not fit.
+_TILES_NEEDS = {**tile_entries.FIELDS, "resource": TEXT, "required": _REQUIRED}
 
 
 def entry_problems(kind: str, entry: Any) -> list[str]:
@@ -208,10 +165,7 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
     if not found and kind == "tiles":
-        answered = _answered(entry)
-        why = (f"'from_config' is {shown(entry['from_config'], 80)}, expected each of {entry['tile']} with its tile"
-               if answered is None else tiles_problem(answered, entry_tiles(entry)))
-        found = [why] if why is not None else []
+        found = tile_entries.problems(entry)
     return found
 
 
