@@ -1,5 +1,6 @@
 """Helpers over smemguard's example kernels for the tests."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -111,3 +112,51 @@ def literal_stages_matmul(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, st
                           BLOCK_M, BLOCK_N, BLOCK_K, 4)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+# -- Causal attention shaped like Triton's tutorial 06 (the issue-45 wrong-result case) -----------------------------
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, sm_scale, HEAD_DIM: tl.constexpr,
+            MASKED: tl.constexpr):
+    """One block of keys into the online softmax of a block of rows."""
+    k = tl.load(k_ptr + (start_n + offs_n)[:, None] * HEAD_DIM + offs_d[None, :])
+    v = tl.load(v_ptr + (start_n + offs_n)[:, None] * HEAD_DIM + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k)) * sm_scale
+    if MASKED:
+        qk = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def causal_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Causal attention of one head, as tutorial 06 splits it: the keys below the block's first row unmasked, then the
+    diagonal block masked. Correct only where BLOCK_N divides BLOCK_M (and BLOCK_M the sequence): else the
+    unmasked loop reads keys past the causal edge and the masked one counts some twice."""
+    start_m = tl.program_id(0)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, start_m * BLOCK_M, BLOCK_N):
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, sm_scale, HEAD_DIM,
+                                False)
+    for start_n in range(start_m * BLOCK_M, (start_m + 1) * BLOCK_M, BLOCK_N):
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, offs_n, offs_d, sm_scale, HEAD_DIM,
+                                True)
+    tl.store(o_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+
+def causal_attention_reference(q, k, v, sm_scale):
+    """The same attention in torch, in float32."""
+    scores = (q.float() @ k.float().T) * sm_scale
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v.float()

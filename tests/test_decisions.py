@@ -287,3 +287,103 @@ def test_parallel_imports_and_a_serving_processs_write_lose_no_entry(tmp_path):
         assert process.wait(timeout=120) == 0, process.stderr.read()
     stored = json.loads((cache / decision_cache.FILE_NAME).read_text())["compile"]
     assert len(stored) == 2001 and "served" in stored
+
+
+def _matmul_through(kernel, a, b, c):
+    """A library's wrapper: it chose 128x128 tiles; the grid is a function of the meta-parameters."""
+    from kernels import matmul_args, tiled_grid
+
+    kernel[tiled_grid(a.shape[0], b.shape[1])](*matmul_args(a, b, c), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                               num_stages=1)
+
+
+@pytest.mark.parametrize("added", ["alternatives", "fallback", "declared wrapper"])
+def test_a_remembered_reraise_yields_to_what_its_note_told_the_user_to_register(tmp_path, triton_cache, added):
+    """The first process meets a plain kernel whose tiles fit at no stage count, with nothing registered: it
+    re-raises, stores that, and the note says what to register. The next process has done so: what it registered
+    runs (a stored fallback already yielded so to another registration); with nothing new, the stored re-raise
+    still applies, at once."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    import smemguard
+    from smemguard.facts.settings import Settings
+    from smemguard.testing import fake_gpu
+
+    from kernels import config, matmul_kernel
+
+    a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+    settings = Settings(log_path=tmp_path / "incidents.jsonl", cache_dir=tmp_path / "cache",
+                        disabled=("triton_compile",))
+
+    def process(call) -> list:
+        """One process's view (a new install: what the last one decided in memory is forgotten): what launched."""
+        assert smemguard.install(settings)
+        try:
+            with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache) as gpu:  # 128x128x64: 32768 B at 1 stage
+                call()
+        finally:
+            smemguard.uninstall()
+        return gpu.launches
+
+    for _ in range(2):
+        with pytest.raises(OutOfResources) as caught:
+            process(lambda: _matmul_through(matmul_kernel, a, b, c))
+        assert "smemguard.register_alternatives(smemguard.examples.matmul_kernel" in "\n".join(caught.value.__notes__)
+    assert [(record["action"], record["remembered"]) for record in records(tmp_path / "incidents.jsonl")] == [
+        ("reraised", False), ("reraised", True)], "stored, then applied at once"
+
+    wrapper = lambda: _matmul_through(matmul_kernel, a, b, c)  # noqa: E731
+    if added == "alternatives":
+        smemguard.register_alternatives(matmul_kernel, [config(64, 64, 64, 1)])
+    elif added == "fallback":
+        smemguard.register_fallback(matmul_kernel, lambda **_: None)
+    else:
+        @smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M")
+        def block_m_for(rows: int) -> int:
+            return 128
+
+        @smemguard.rerun_on_overflow(block_m_for)
+        def declared(a, b, c):
+            from kernels import matmul_args
+
+            block_m = block_m_for(a.shape[0])
+            matmul_kernel[(triton.cdiv(256, block_m), 2)](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=128,
+                                                          BLOCK_K=64, num_stages=1)
+
+        wrapper = lambda: declared(a, b, c)  # noqa: E731
+    try:
+        launches = process(wrapper)
+    finally:
+        smemguard.unregister_alternatives(matmul_kernel)
+        smemguard.unregister_fallback(matmul_kernel)
+    latest = records(tmp_path / "incidents.jsonl")[2:]
+    expected = {"alternatives": ("config_changed", 1), "fallback": ("fallback", 0),
+                "declared wrapper": ("tiles_reduced", 1)}[added]
+    assert ([record["action"] for record in latest][-1], len(launches)) == expected, latest
+    assert not any(record["remembered"] for record in latest), "decided again, now that something is registered"
+
+
+def test_in_the_same_process_alternatives_registered_after_a_reraise_are_tried(install_guard, incident_log,
+                                                                               triton_cache):
+    """The install's own memory of the case yields too (it is keyed by what is registered, as by the fallback)."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    import smemguard
+    from smemguard.testing import fake_gpu
+
+    from kernels import config, matmul_kernel
+
+    a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+    install_guard()
+    try:
+        with fake_gpu("L4", max_shared=30000, cache_dir=triton_cache) as gpu:
+            with pytest.raises(OutOfResources):
+                _matmul_through(matmul_kernel, a, b, c)
+            smemguard.register_alternatives(matmul_kernel, [config(64, 64, 64, 1)])
+            _matmul_through(matmul_kernel, a, b, c)
+            assert [(launch.grid, launch.shared) for launch in gpu.launches] == [((4, 4, 1), 16384)]
+    finally:
+        smemguard.unregister_alternatives(matmul_kernel)
+    assert [record["action"] for record in records(incident_log)] == ["reraised", "config_changed"]

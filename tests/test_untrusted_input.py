@@ -96,6 +96,10 @@ DECISIONS = {"schema": 1, "compile": {
     "d" * 24: {**_CASE, "tuning_key": "(512,)", "action": "fallback", "final": "fallback m:f", "fallback": "m:f",
                "reason": ""},
     "e" * 24: {**_CASE, "tuning_key": "(1,)", "action": "reraised", "final": None, "reason": "nothing fits"},
+}, "tiles": {
+    "f" * 24: {**_CASE, "wrapper": "m:w", "choice": "m:c", "tile": "BLOCK_M,BLOCK_N", "shape": [["n", 1]],
+               "action": "tiles_reduced", "from_config": "BLOCK_M=128 BLOCK_N=64", "final": "BLOCK_M=64 BLOCK_N=64",
+               "value": [64, 64], "resource": "shared memory", "required": 24576},
 }}
 
 # Text with every code point: control characters, lone surrogates, right-to-left marks.

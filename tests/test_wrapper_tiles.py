@@ -15,7 +15,7 @@ import smemguard
 from smemguard.cli import commands
 from smemguard.testing import fake_gpu
 
-from conftest import records
+from conftest import records, run_python
 from kernels import matmul_args, matmul_kernel
 
 N = 256
@@ -286,3 +286,42 @@ def test_on_a_gpu_the_halved_tile_gives_the_same_bits(install_guard, monkeypatch
     got = torch.empty_like(expected)
     assert matmul(a, b, got) == 64
     assert torch.equal(got, expected)
+
+
+def test_under_the_interpreter_every_declaration_is_accepted_and_the_wrapper_computes_its_result():
+    """TRITON_INTERPRET=1 makes every @triton.jit an interpreted function: a library that declares its kernels must
+    still import (for a user debugging them), and its declared wrapper compute as the interpreter does."""
+    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+    result = run_python("""
+        import torch, triton
+        import smemguard
+        from smemguard.kernels import registry
+        from kernels import matmul_args, matmul_kernel, tiled_grid
+
+        def torch_matmul(a_ptr, b_ptr, c_ptr, **_):
+            torch.matmul(a_ptr, b_ptr, out=c_ptr)
+
+        smemguard.register_fallback(matmul_kernel, torch_matmul)
+        smemguard.register_alternatives(matmul_kernel, [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})])
+        assert registry.fallback_for(matmul_kernel) is torch_matmul and registry.alternatives_for(matmul_kernel)
+
+        @smemguard.tile_choice(kernel=matmul_kernel, tile=("BLOCK_M", "BLOCK_N"), at=(0, 1))
+        def tiles(rows: int) -> tuple:
+            return 32, 16
+
+        inline = smemguard.tiles_at_launch(matmul_kernel, tile="BLOCK_M", shape=lambda args, kwargs: {},
+                                           grid=lambda grid, launched, lowered: grid)
+
+        @smemguard.rerun_on_overflow(tiles, inline)
+        def matmul(a, b, c):
+            block_m, block_n = tiles(a.shape[0])
+            inline[tiled_grid(a.shape[0], b.shape[1])](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                       BLOCK_K=16)
+
+        smemguard.install()
+        a, b = torch.randn(48, 32), torch.randn(32, 40)
+        c = torch.zeros(48, 40)
+        matmul(a, b, c)
+        print(float((c - a @ b).abs().max()))
+    """, env={"TRITON_INTERPRET": "1"})
+    assert float(result.stdout.split()[-1]) < 1e-4, result.stdout

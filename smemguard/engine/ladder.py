@@ -12,7 +12,8 @@ kernel is never launched to find out whether it fits):
    variants of rung 2, are skipped without a compile;
 2. for tuned kernels, another config of the kernel's own list: the fastest the tuner timed
    for this key, else the largest tile; for a plain JIT function launched with a grid
-   function, the alternatives registered for it. When several fit, up to :data:`RACE` are
+   function, the alternatives registered for it whose parameters that function reads (one that
+   ignores them holds the caller's tiles, as a tuple does). When several fit, up to :data:`RACE` are
    timed with the tuner's own benchmark and the fastest wins. A candidate keeps the config's
    other options (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``): they change the
    code and its speed, never whether it fits (README, "What changes LDS on AMD").
@@ -41,6 +42,7 @@ from ..facts import process
 from ..kernels import estimate, introspect, parameters, registry
 from ..kernels.launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
+from . import reasons
 from .candidates import MAX_CANDIDATES, fewer_warps, next_stage_count, variant
 
 log = logging.getLogger(__name__)
@@ -294,12 +296,12 @@ def allowed_configs(launch: Launch) -> list:
 
     For a tuner: its configs that its own ``early_config_prune`` keeps (a pruner may encode
     constraints of the kernel, such as a split that must divide K). For a plain JIT function:
-    the alternatives registered for it, and only when the grid is a callable of the
-    meta-parameters (a tuple grid was computed by the caller from the tiles it launched).
+    the alternatives registered for it that its grid follows (:meth:`Launch.alternatives`: a tuple
+    grid, or a function that ignores the meta-parameters, was computed from the tiles it launched).
     """
     tuner = launch.tuner
     if tuner is None:
-        return list(registry.alternatives_for(launch.jit)) if callable(launch.grid) else []
+        return launch.alternatives()
     if len(tuner.configs) < 2:
         return []
     prune = getattr(tuner, "early_config_prune", None)
@@ -366,7 +368,7 @@ def decide(launch: Launch, failing, error) -> Decision:
         return Decision(FALLBACK, tuple(attempts), fallback=fallback,
                         final=f"fallback {introspect.callable_name(fallback)}", skipped=skipped, compile_ms=compile_ms)
     reason = "; ".join(filter(None, (measured.stages_inert, measured.pinned,
-                                     _why_nothing_fits(launch, budget, attempts))))
+                                     reasons.why_nothing_fits(launch, budget, attempts))))
     return Decision(RERAISED, tuple(attempts), reason=reason, skipped=skipped, compile_ms=compile_ms)
 
 
@@ -463,38 +465,3 @@ def adopt(launch: Launch, config) -> None:
     if launch.tuner is not None:
         launch.tuner_kind.adopt(launch.tuner, launch.tuning_key, config)
 
-
-def _why_nothing_fits(launch: Launch, budget: int, attempts: list) -> str:
-    advice = "register a fallback with smemguard.register_fallback"
-    if budget == 0:
-        return f"stopped after {MAX_CANDIDATES} candidate compiles; {advice}"
-    if launch.tuner is not None:
-        return f"no config of the autotuner fits; {advice}"
-    if registry.alternatives_for(launch.jit) and not callable(launch.grid):
-        return (f"alternatives are registered, but the grid is a tuple computed by the caller, so the tiles it "
-                f"was computed for are kept; pass the grid as a function of the meta-parameters, or {advice}")
-    if registry.alternatives_for(launch.jit):
-        return f"none of the registered alternatives fits; {advice}"
-    return _tiles_chosen_by_the_caller(launch, attempts)
-
-
-def _tiles_chosen_by_the_caller(launch: Launch, attempts: list) -> str:
-    """Why a plain kernel's launch is re-raised, naming who chose its tiles, what the best candidate still needs
-    and the exact calls that would let it run here (issue 32: the class smemguard leaves to the caller)."""
-    module, _, qualname = introspect.kernel_name(launch.jit).partition(":")
-    named, constexprs = launch.named_args(), launch.constexpr_names()
-    chosen = constexprs & set(parameters.knobs_of(launch.jit).shapes) or constexprs  # the tiles, not strides
-    tiles = ", ".join(f"{param.name}={named[param.name]}" for param in launch.jit.params if param.name in chosen
-                      and isinstance(named.get(param.name), int) and not isinstance(named.get(param.name), bool))
-    needed = [attempt.required for attempt in attempts if attempt.required]
-    least = f"; the least any candidate needs is {min(needed)} B over {attempts[0].limit} B" if needed else ""
-    site = introspect.launching_site()
-    by = f" by {site}" if site else ""
-    signature = ", ".join(param.name for param in launch.jit.params)
-    grid = ("its grid is a function of the meta-parameters, so smemguard.register_alternatives"
-            f"({module}.{qualname}, [triton.Config({{...smaller tiles...}})]) would be tried"
-            if callable(launch.grid) else "the grid is a tuple the caller computed from them, so only the caller "
-            "can choose smaller ones")
-    return (f"tile sizes of a plain @triton.jit kernel are never changed: {tiles or 'its constexprs'} were chosen"
-            f"{by}{least}; {grid}; or smemguard.register_fallback({module}.{qualname}, fn) with "
-            f"fn({signature}) computing the same result in torch")

@@ -69,8 +69,8 @@ def _from_entry(launch, failing, kind: str, key: str, entry: dict):
     fallback = registry.fallback_for(launch.jit)
     if action == FALLBACK and fallback is not None and introspect.callable_name(fallback) == entry["fallback"]:
         return Decision(FALLBACK, (), fallback=fallback, final=f"fallback {entry['fallback']}", remembered=True)
-    if action == RERAISED and fallback is None:
-        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)
+    if action == RERAISED and fallback is None and not launch.alternatives():  # what the note said to register
+        return Decision(RERAISED, (), reason=entry["reason"], remembered=True)  # yields, as a stored fallback does
     return None
 
 

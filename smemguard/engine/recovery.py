@@ -48,8 +48,9 @@ class _Case:
 
 class Decided:
     """The decisions one install took: launched object -> {(compile hash of the failing kernel, device, limit,
-    tuning key, fallback): case}. Keyed by what was compiled, not by the kernel object: concurrent first launches
-    each compile their own copy. Entries go with the kernel object they belong to."""
+    tuning key, fallback, alternatives): case}. Keyed by what was compiled, not by the kernel object: concurrent
+    first launches each compile their own copy; and by what is registered for it, so that what the user registers
+    after a re-raise's note is tried. Entries go with the kernel object they belong to."""
 
     def __init__(self):
         self._cases: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -58,7 +59,7 @@ class Decided:
     def case_for(self, launch: Launch, failing) -> _Case:
         device = process.current_device()
         key = (failing.hash, device, process.effective_limit(device), launch.tuning_key,
-               registry.fallback_for(launch.jit))
+               registry.fallback_for(launch.jit), tuple(map(introspect.config_text, launch.alternatives())))
         with self._lock:
             return self._cases.setdefault(launch.launched, {}).setdefault(key, _Case())
 

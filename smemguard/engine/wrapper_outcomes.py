@@ -15,8 +15,9 @@ from ..facts import process
 from ..kernels import introspect, recorded
 from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
-from ..store import decision_cache, incidents
+from ..store import decision_cache, incidents, tile_entries
 from ..store.decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
+from . import compile_fit
 from .steps import Steps
 
 #: The decision cache's table of the tiles declared wrappers learnt.
@@ -157,13 +158,22 @@ def tiles_stored(settings) -> bool:
     return store is not None and store.holds(TABLE)
 
 
-def stored_tiles(declaration, wrapper: str, shape: tuple, settings) -> tuple | None:
-    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None."""
+def stored_tiles(declaration, wrapper: str, shape: tuple, answered: tuple, settings) -> tuple | None:
+    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None; stored tiles that
+    recovery could not have produced from the tiles the wrapper ``answered`` are ignored, with one warning."""
     store = decision_cache.store(settings.cache_dir)
     if store is None or not store.holds(TABLE):
         return None
-    entry = store.get(TABLE, decision_cache.case_id(_case(declaration, wrapper, shape)))
-    return _from_store(declaration, entry["value"]) if entry is not None else None
+    key = decision_cache.case_id(_case(declaration, wrapper, shape))
+    entry = store.get(TABLE, key)
+    if entry is None:
+        return None
+    tiles = tile_entries.stored(entry)
+    why = tile_entries.not_a_halving(answered, tiles, declaration.smallest)
+    if why is not None:
+        compile_fit.ignored(key, why)
+        return None
+    return tiles
 
 
 def _case(declaration, wrapper: str, shape: tuple) -> dict:
@@ -178,10 +188,3 @@ def _case(declaration, wrapper: str, shape: tuple) -> dict:
 def _as_stored(tiles: tuple) -> int | list[int]:
     """How the decision cache holds the tiles (one tile as a number, as entries written before several)."""
     return tiles[0] if len(tiles) == 1 else list(tiles)
-
-
-def _from_store(declaration, value) -> tuple | None:
-    tiles = (value,) if type(value) is int else tuple(value) if type(value) is list else ()
-    fits = len(tiles) == len(declaration.tiles) and all(
-        type(tile) is int and tile >= declaration.smallest for tile in tiles)
-    return tiles if fits else None

@@ -46,6 +46,7 @@ import wrapt
 from ..facts import process
 from ..kernels import introspect
 from ..kernels.launch import Attempt
+from ..store import tile_entries
 from ..store.decision import SHARED
 from . import wrapper_outcomes
 from .steps import StepFailed, Steps
@@ -100,7 +101,7 @@ def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
         raise TypeError(f"smallest must be a positive integer, not {smallest!r}")
     jits = []
     for kernel in kernels:
-        jit = introspect.jit_function(kernel)
+        jit = introspect.declared_kernel(kernel)
         if jit is None or not hasattr(jit, "arg_names"):
             raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotune or heuristics), not {kernel!r}")
         missing = [name for name in names if name not in jit.arg_names]
@@ -150,16 +151,12 @@ class _Declaration:
 
     def lowered(self, call: _Call, shape: tuple, answered: tuple) -> tuple:
         """``answered`` with each tile no larger than the one learnt for the shape class."""
-        known = self._known_tiles(call.engine, call.wrapper, shape)
+        known = self._known_tiles(call.engine, call.wrapper, shape, answered)
         return answered if known is None else tuple(min(pair) for pair in zip(answered, known))
 
     def smaller(self, tiles: tuple) -> tuple | None:
-        """The next tiles to try: every tile equal to the largest halved (equal tiles stay equal, a smaller one
-        waits), or None when that would go below ``smallest``."""
-        largest = max(tiles)
-        if largest // 2 < self.smallest:
-            return None
-        return tuple(tile // 2 if tile == largest else tile for tile in tiles)
+        """The next tiles to try (:func:`smemguard.store.tile_entries.halved`), or None below ``smallest``."""
+        return tile_entries.halved(tiles, self.smallest)
 
     def label(self, tiles: tuple) -> str:
         return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
@@ -179,13 +176,13 @@ class _Declaration:
             limit = learnt.limits[device] = process.effective_limit(device)
         return (wrapper, device, limit, shape)
 
-    def _known_tiles(self, engine, wrapper: str, shape: tuple) -> tuple | None:
+    def _known_tiles(self, engine, wrapper: str, shape: tuple, answered: tuple) -> tuple | None:
         learnt, lock = self._of(engine)
         key = self._key(learnt, wrapper, shape)
         known = learnt.known.get(key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
-        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape, engine.settings)
+        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape, answered, engine.settings)
         with lock:
             return learnt.known.setdefault(key, stored)
 

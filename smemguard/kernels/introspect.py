@@ -39,6 +39,18 @@ def jit_function(obj):
     return next((layer for layer in chain(obj) if isinstance(layer, JITFunction)), None)
 
 
+def declared_kernel(obj):
+    """The kernel function a declaration names (:func:`jit_function`), or under ``TRITON_INTERPRET=1`` the
+    interpreter's function Triton made in its place: a library that declares its kernels stays importable there,
+    and what it declares never applies (the interpreter raises no ``OutOfResources``). None when neither."""
+    jit = jit_function(obj)
+    if jit is not None:
+        return jit
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # loaded wherever an interpreted function exists
+    interpreted = getattr(interpreter, "InterpretedFunction", None)
+    return next((layer for layer in chain(obj) if interpreted is not None and isinstance(layer, interpreted)), None)
+
+
 def kernel_name(kernel) -> str:
     """``module:qualname`` of the Python function under any layers (its ``__name__`` in place of the qualname's
     last part where the function was renamed once made), or the string given.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..facts import process
-from . import introspect, parameters, tuners
+from . import introspect, parameters, registry, tuners
 
 #: Exceptions that mean smemguard built a candidate wrongly (a bad argument binding, a missing
 #: attribute), not that the candidate does not compile: counted as ``internal_error``.
@@ -118,6 +118,65 @@ class Launch:
     def relaunch(self):
         self.run_config_pre_hook()
         return self.jit.run(*self.args, grid=self.grid, warmup=False, **self.jit_kwargs)
+
+    def alternatives(self) -> list:
+        """The alternatives registered for the kernel (:func:`smemguard.register_alternatives`) that this launch may
+        switch to: none through a tuner (its configs are its own), else those whose parameters its grid function
+        reads (:meth:`grid_reads`), so that the grid follows the tile that runs. A grid computed from the tiles the
+        caller launched would leave most of the output unwritten with a smaller one."""
+        if self.tuner is not None:
+            return []
+        reads = self.grid_reads()
+        return [config for config in registry.alternatives_for(self.jit) if reads & config.kwargs.keys()]
+
+    def grid_reads(self) -> frozenset:
+        """The parameters the launch's grid function reads from the meta-parameters Triton gives it (all of them
+        where it takes them whole): none for a tuple grid, nor for a function that ignores its argument (its
+        result was computed from the tiles the caller chose, as a tuple's), nor for one that fails on them."""
+        if not callable(self.grid):
+            return frozenset()
+        meta = _ReadMeta(self.named_args())
+        try:
+            self.grid(meta)
+        except Exception:  # Triton's own call succeeded: a grid that fails on a copy is no grid to rely on
+            return frozenset()
+        return frozenset(meta.read)
+
+
+class _ReadMeta(dict):
+    """The meta-parameters as a grid function gets them (a dict), noting which ones it reads."""
+
+    def __init__(self, named: dict):
+        super().__init__(named)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        self.read.add(name)
+        return super().get(name, default)
+
+    def __contains__(self, name) -> bool:
+        self.read.add(name)
+        return super().__contains__(name)
+
+    def __iter__(self):  # taken whole (``**meta``, ``dict(meta)``, a loop): every parameter read
+        self.read.update(super().keys())
+        return super().__iter__()
+
+    def keys(self):
+        self.read.update(super().keys())
+        return super().keys()
+
+    def values(self):
+        self.read.update(super().keys())
+        return super().values()
+
+    def items(self):
+        self.read.update(super().keys())
+        return super().items()
 
 
 def resolve(launched, grid, args, kwargs, config=None) -> Launch | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .introspect import jit_function, kernel_name
+from .introspect import declared_kernel, kernel_name
 
 _fallbacks: dict[str, Callable[..., Any]] = {}
 _alternatives: dict[str, tuple] = {}
@@ -19,7 +19,7 @@ def _registered_name(kernel) -> str:
         if not all(part.isidentifier() for part in (*module.split("."), *qualname.split("."))):
             raise ValueError(f"kernel {kernel!r} is not a 'module:qualname' such as 'my_ops:matmul_kernel'")
         return kernel
-    if jit_function(kernel) is None:
+    if declared_kernel(kernel) is None:
         raise TypeError(f"kernel must be a Triton kernel (@triton.jit, autotuned or heuristics-wrapped) or its "
                         f"'module:qualname', not {type(kernel).__name__}")
     return kernel_name(kernel)
@@ -58,7 +58,9 @@ def register_alternatives(kernel, configs) -> None:
     first. Register only a kernel that masks its tails and whose callers pass the grid as a
     function of the meta-parameters (``grid=lambda meta: (cdiv(M, meta["BLOCK_M"]),)``): a
     launch with a tuple grid keeps its tiles whatever is registered, since the caller computed
-    that grid from them. Registering again replaces the previous list.
+    that grid from them, and so does one whose grid function reads none of an alternative's
+    parameters from its argument (``lambda meta: (cdiv(M, BLOCK_M),)`` closes over the caller's
+    tile). Registering again replaces the previous list.
     """
     name = _registered_name(kernel)
     try:

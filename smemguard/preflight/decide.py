@@ -167,7 +167,9 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
 
 def stand_in_grid(meta) -> tuple:
     """The stand-in launch's grid: one program (nothing runs on a stand-in GPU), a callable of the
-    meta-parameters as a launch that lets its tiles change passes."""
+    meta-parameters as a launch that lets its tiles change passes, reading them all
+    (:meth:`smemguard.kernels.launch.Launch.grid_reads`: its registered alternatives may run)."""
+    meta.keys()
     return (1, 1, 1)
 
 

@@ -52,7 +52,7 @@ from typing import Any
 from ..facts import files, process, untrusted
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
 from ..kernels import introspect
-from . import incidents
+from . import incidents, tile_entries
 from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
 
 log = logging.getLogger(__name__)
@@ -149,11 +149,8 @@ _OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
 _INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
 
 
-#: What a wrapper's tile entry holds (:mod:`smemguard.engine.wrapper_tiles`): the tile that fit, and what did not fit.
-_TILE = Expect("a tile from 1 to 65536", lambda value: integer(1).test(value) and value <= 2**16)
-_TILES_NEEDS = {"value": Expect("a tile from 1 to 65536, or a list of 1 to 8 of them", lambda value: _TILE.test(value)
-                                or (type(value) is list and 1 <= len(value) <= 8 and all(map(_TILE.test, value)))),
-                "resource": TEXT, "required": _REQUIRED}
+#: What a wrapper's tile entry holds: its own fields (:mod:`.tile_entries`), and what did not fit.
+_TILES_NEEDS = {**tile_entries.FIELDS, "resource": TEXT, "required": _REQUIRED}
 
 
 def entry_problems(kind: str, entry: Any) -> list[str]:
@@ -167,6 +164,8 @@ def entry_problems(kind: str, entry: Any) -> list[str]:
     found = untrusted.problems(entry, needs, _OVERFLOW)
     if not found and "config" in needs:
         found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
+    if not found and kind == "tiles":
+        found = tile_entries.problems(entry)
     return found
 
 
