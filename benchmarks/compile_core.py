@@ -1,6 +1,6 @@
 """The compile-time core on a real GPU: first launches under an emulated smaller GPU, and the cost on healthy compiles.
 
-    PYTHONPATH=. python benchmarks/compile_core.py [--limit 101376] [--out results.json]
+    python benchmarks/compile_core.py [--limit 101376] [--json results.json]
 
 Each case runs in this process on the current CUDA device, under an emulated limit (``SMEMGUARD_MAX_SHARED``'s
 mechanism, ``Settings(max_shared=...)``), with Triton's load check (``CompiledKernel._init_handles``) counting every
@@ -20,7 +20,6 @@ The table at the end is the one docs/BENCHMARKS.md quotes.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="compile-core-triton-"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="compile-core-inductor-"))
@@ -130,16 +131,14 @@ CASES = {"plain": plain, "autotuned": autotuned, "inductor-mm": inductor_mm, "fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     parser.add_argument("--limit", type=int, default=101376, help="emulated per-block limit (default: an L4's)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("compile_core: needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "limit": args.limit, "date": time.strftime("%Y-%m-%d"), "cases": {}}
+    results = {"cases": {}}
     scratch = Path(tempfile.mkdtemp(prefix="compile-core-"))
     for name in args.cases.split(","):
         started = time.perf_counter()
@@ -151,10 +150,8 @@ def main() -> int:
         result["seconds"] = round(time.perf_counter() - started, 1)
         results["cases"][name] = result
         print(name, json.dumps({k: v for k, v in result.items() if k != "records"})[:600], flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1, default=str))
-    print(f"\n{results['device']}, torch {results['torch']}, Triton {results['triton']}, "
-          f"emulated limit {args.limit} B, {results['date']}")
+    document = harness.write(args.json, results, limit=args.limit)
+    print(f"\n{harness.headline(document)}, emulated limit {args.limit} B")
     print(f"{'case':12s} {'OutOfResources raised':>22s} {'incident records':>17s}  result")
     for name, result in results["cases"].items():
         if "error" in result:

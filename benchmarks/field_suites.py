@@ -66,6 +66,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import meta
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("plain", "observe", "on")
 RESULTS_NAME = "field_suites.json"
@@ -711,7 +713,8 @@ def main(argv=None) -> int:
     started = time.time()
     environment = probe_environment()
     harness = Harness(args, field, smemguard, work, environment)
-    results = {"schema": 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+    results = {"schema": 1, "meta": meta("flag_gems", "fla_core", "liger_kernel", "gemlite", "sglang", "lmdeploy"),
+               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                "argv": sys.argv if argv is None else list(argv), "environment": environment,
                "smemguard": describe_smemguard(smemguard), "limits": args.limits, "modes": args.modes,
                "suites": {name: {"paths": list(SUITES[name].paths),

@@ -32,13 +32,13 @@ import collections
 import json
 import math
 import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+
+import harness
 
 PHASES = {  # name: (environment, database)
     "tune": ({"SMEMGUARD": "off"}, "tuned"),
@@ -135,8 +135,7 @@ def _incidents(path: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here")
+    parser = harness.parser(__doc__)
     parser.add_argument("--shapes", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -146,41 +145,30 @@ def main() -> int:
         print(json.dumps(worker(shape_list)))
         return 0
 
-    import torch
-    import triton
-
     work = tempfile.mkdtemp(prefix="flaggems-sweep-")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "shapes": shape_list,
-               "phases": {}}
-    import flag_gems  # noqa: F401  (only its version here)
-
-    results["flag_gems"] = flag_gems.__version__
+    results = {"shapes": shape_list, "phases": {}}
     for phase, (env, database) in PHASES.items():
         db_path = os.path.join(work, f"{database}.db")
         if database.startswith("tuned-copy"):
             shutil.copy(os.path.join(work, "tuned.db"), db_path)
         log = os.path.join(work, f"{phase}.jsonl")
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
-        # A decision cache of its own: a phase must not start from the configs an earlier phase switched to.
-        full_env.update(env, SMEMGUARD_LOG=log, SMEMGUARD_CACHE_DIR=os.path.join(work, f"{phase}-decisions"),
-                        FLAGGEMS_DB_URL=f"sqlite:///{db_path}",
-                        TRITON_CACHE_DIR=os.path.join(work, "triton-cache"))
-        run = subprocess.run([sys.executable, __file__, "--worker", phase, "--shapes", str(args.shapes),
-                              "--seed", str(args.seed)], env=full_env, capture_output=True, text=True)
-        if run.returncode != 0:
-            print(run.stderr[-3000:], file=sys.stderr)
-            results["phases"][phase] = {"failed": run.returncode}
+        # A decision cache of its own: a phase must not start from the configs an earlier phase switched to; one
+        # Triton cache for all (warm after tuning), as on one host.
+        full_env = harness.environment(log=log, cache_dir=os.path.join(work, f"{phase}-decisions"),
+                                       triton_cache=os.path.join(work, "triton-cache"),
+                                       base={k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")})
+        full_env.update(env, FLAGGEMS_DB_URL=f"sqlite:///{db_path}")
+        outcome = harness.fresh_process([__file__, "--worker", phase, "--shapes", str(args.shapes), "--seed",
+                                         str(args.seed)], env=full_env, timeout=3600, check=False)
+        if "error" in outcome:
+            print(f"{phase}: {outcome['error']}", file=sys.stderr)
+            results["phases"][phase] = {"failed": outcome["error"]}
             continue
-        outcome = json.loads(run.stdout.strip().splitlines()[-1])
         outcome["incidents"] = _incidents(log)
         results["phases"][phase] = outcome
         print(phase, json.dumps(outcome), flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
-    print(f"\n{results['device']}, torch {results['torch']}, Triton {results['triton']}, "
-          f"FlagGems {results['flag_gems']}, {len(shape_list)} shapes")
+    document = harness.write(args.json, results, "flag_gems")
+    print(f"\n{harness.headline(document)}, {len(shape_list)} shapes")
     print(f"{'phase':<16} {'ok':>4} {'wrong':>5} {'OOR':>4} {'raised':>6} {'FlagGems errors':>15} {'incidents':<40} "
           f"{'s':>6}")
     for phase, outcome in results["phases"].items():

@@ -21,16 +21,12 @@ sm_90 on smemguard's CPU stand-in (nothing executes); on a GPU the limit is emul
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 SCENARIOS = {"autotune-trap": 65536, "smallest-fit": 8192, "nothing-fits": 2048, "stages-only": 40000}
 
@@ -78,26 +74,23 @@ print(json.dumps({"compiles": len(compiles) - 1, "seconds": round(seconds, 3), "
 """
 
 
-def run(tree: Path, scenario: str, harness: bool) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
-               "TRITON_CACHE_DIR": cache}
-        env = {k: v for k, v in env.items() if not k.startswith("SMEMGUARD")}
+def run(tree: Path, scenario: str, on_harness: bool) -> dict:
+    """One scenario in a fresh process importing ``tree``'s smemguard, with a cold Triton cache."""
+    with harness.scratch("incident-compiles") as scratch:
+        env = harness.environment(triton_cache=harness.TritonCache("cold", Path(scratch)).next(),
+                                  base={k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")})
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
         # Run from the tree itself: "python -c" puts the working directory first on sys.path.
-        done = subprocess.run([sys.executable, "-c", WORKER, scenario, str(SCENARIOS[scenario]), str(int(harness))],
-                              env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return harness.fresh_process(["-c", WORKER, scenario, str(SCENARIOS[scenario]), str(int(on_harness))],
+                                     env=env, cwd=tree, timeout=1800, check=False)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR",
                         help="a smemguard checkout to measure (repeat: the first is the baseline)")
     parser.add_argument("--harness", action="store_true", help="compile for sm_90 on the CPU stand-in (no GPU)")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="default: all")
-    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     trees = [(label, Path(path).resolve()) for label, _, path in (tree.partition("=") for tree in args.tree)]
     results = []
@@ -107,9 +100,9 @@ def main() -> int:
                       **run(tree, scenario, args.harness)}
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "harness": args.harness, "python": sys.version.split()[0]}
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    document = harness.write(args.json, results, harness=args.harness,
+                             trees={label: str(tree) for label, tree in trees})
+    print(harness.headline(document))
     print(f"{'scenario':14} {'tree':8} {'limit':>7} {'outcome':10} {'compiles':>8} {'seconds':>8} {'smemguard s':>11}")
     for r in results:
         print(f"{r['scenario']:14} {r['tree']:8} {r['limit']:>7} {r.get('outcome', r.get('error', '?'))[:40]:10} "

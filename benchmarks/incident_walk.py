@@ -40,14 +40,11 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 INSTALLS = {"default": (), "launch-guard": ("triton_compile",)}
 LIMIT = 60000
@@ -183,20 +180,17 @@ def worker(install: str) -> dict:
 
 def run(install: str) -> dict:
     """The walk in the second of two fresh processes that share a Triton cache (the first warms it)."""
-    with tempfile.TemporaryDirectory(prefix="incident-walk-") as scratch:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")}
-        env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), XDG_CACHE_HOME=scratch,
-                   TRITON_HOME=scratch, TRITON_CACHE_DIR=os.path.join(scratch, "triton"))
+    with harness.scratch("incident-walk") as scratch:
+        cache = harness.TritonCache("warm", Path(scratch)).next()
         for process in ("warm-up", "measured"):
             own = Path(scratch, process)  # its own decision store: nothing is recalled
             own.mkdir()
-            env.update(SMEMGUARD_LOG=str(own / "incidents.jsonl"), SMEMGUARD_CACHE_DIR=str(own / "decisions"),
-                       SMEMGUARD_DISABLE=",".join(INSTALLS[install]))
-            done = subprocess.run([sys.executable, __file__, "--worker", install], env=env, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                raise SystemExit(f"{install} ({process}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+            env = harness.environment(triton_cache=cache, log=str(own / "incidents.jsonl"),
+                                      cache_dir=str(own / "decisions"), disable=",".join(INSTALLS[install]),
+                                      base={k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")})
+            env.update(XDG_CACHE_HOME=scratch, TRITON_HOME=scratch)
+            walk = harness.fresh_process([__file__, "--worker", install], env=env, timeout=1800)
+    return walk
 
 
 def verdict(walk: dict) -> str:
@@ -230,24 +224,19 @@ def show(walk: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--install", action="append", choices=sorted(INSTALLS), help="default: both")
-    parser.add_argument("--json", type=Path, help="write the walks here")
     parser.add_argument("--worker", choices=sorted(INSTALLS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
     walks = [run(install) for install in args.install or list(INSTALLS)]
-    versions = walks[0]["versions"]
-    print(f"{time.strftime('%Y-%m-%d')} · {platform.machine()} CPU, smemguard's CPU harness (fake_gpu L4, "
-          f"max_shared {LIMIT} B) · Python {versions['python']} · torch {versions['torch']} · "
-          f"triton {versions['triton']}")
+    document = harness.write(args.json, walks, limit=LIMIT)
+    print(f"{harness.headline(document)} · smemguard's CPU harness (fake_gpu L4, max_shared {LIMIT} B)")
     print("launch: matmul_kernel[(4, 4)], " + ", ".join(f"{k}={v}" for k, v in LAUNCH.items()))
     for walk in walks:
         show(walk)
-    if args.json:
-        args.json.write_text(json.dumps(walks, indent=1))
     return 0
 
 

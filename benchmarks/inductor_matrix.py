@@ -1,6 +1,6 @@
-"""torch.compile kernels under an emulated small GPU, without and with smemguard (issue 22).
+"""torch.compile kernels under an emulated small GPU, without and with smemguard.
 
-Every case runs ``benchmarks/inductor_cases.py`` in a fresh process with fresh ``TORCHINDUCTOR_CACHE_DIR``
+Every case runs ``benchmarks/workloads/inductor_cases.py`` in a fresh process with fresh ``TORCHINDUCTOR_CACHE_DIR``
 and ``TRITON_CACHE_DIR`` (no compiled kernel, FX graph or autotune result carried from one case to another),
 ``--jobs`` at a time, and its own ``SMEMGUARD_LOG`` and ``SMEMGUARD_CACHE_DIR``. Cases:
 
@@ -18,7 +18,7 @@ and ``TRITON_CACHE_DIR`` (no compiled kernel, FX graph or autotune result carrie
   imported) and ``on`` (installed, no emulated limit), one process at a time before the matrix, alternating
   (``--healthy-repeats`` times): compile time and steady run time side by side, and their ratio.
 
-Outcome per case: ``ok`` (compiled, ran, and within FlexAttention's own test tolerance, see inductor_cases.py),
+Outcome per case: ``ok`` (compiled, ran, and within FlexAttention's own test tolerance, see workloads/inductor_cases),
 ``wrong``, ``fail`` (the exception: type, first line, Required/limit), ``timeout`` or ``crash``. Also: forward
 and backward compile seconds (first call each), median steady step time, the incident records and their
 actions, recovery compiles and seconds from the records, the FlexAttention configs Inductor's heuristic
@@ -52,11 +52,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from smemguard.facts import settings as smemguard_settings  # noqa: E402  (imports neither torch nor Triton)
+import harness
 
-WORKER = Path(__file__).resolve().parent / "inductor_cases.py"
+from smemguard.facts import settings as smemguard_settings  # imports neither torch nor Triton
+
+REPO = harness.ROOT
+WORKER = Path(__file__).resolve().parent / "workloads" / "inductor_cases.py"
 RESULTS_NAME = "inductor_matrix.json"
 MATRIX_MODES = {"plain": "observe", "smemguard": "on"}  # mode -> SMEMGUARD
 HEALTHY_MODES = {"off": "off", "on": "on"}
@@ -169,7 +170,7 @@ def _incidents(path: Path, keep: Path) -> dict:
 
 def run_case(case: Case, scratch: Path, out: Path, compile_threads: int, timeout: float) -> dict:
     case_dir = scratch / case.id
-    case_dir.mkdir(parents=True, exist_ok=True)  # inductor_remembered.py puts caches there first
+    case_dir.mkdir(parents=True, exist_ok=True)  # experiments/inductor_remembered.py puts caches there first
     result_path = case_dir / "result.json"
     command = [sys.executable, str(WORKER), json.dumps(case.spec), str(result_path)]
     started = time.perf_counter()
@@ -308,7 +309,7 @@ def _limits(text: str) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, results=False)
     parser.add_argument("--out", type=Path, help="directory for the JSON results and incident files")
     parser.add_argument("--jobs", type=int, default=12, help="cases at once (default 12)")
     parser.add_argument("--only", help="run the cases whose id contains every one of these comma-separated texts")
@@ -348,8 +349,8 @@ def main() -> int:
     if not cases:
         parser.error(f"--only {args.only!r} selects no case (--dry-run lists them)")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
-                        "jobs": args.jobs, "compile_threads": args.compile_threads, "cpus": os.cpu_count()},
+    results = {"meta": harness.meta(time=time.strftime("%H:%M UTC", time.gmtime()), jobs=args.jobs,
+                                    compile_threads=args.compile_threads),
                "cases": []}
     # Healthy cases first, one at a time (a GPU shared with another process would time both): off, on, off, on.
     healthy = [case for case in cases if case.group == "healthy"]

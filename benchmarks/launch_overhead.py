@@ -22,23 +22,19 @@ Workloads:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import harness
 import torch
 import triton
 import triton.language as tl
 import wrapt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import smemguard  # noqa: E402
-from smemguard.examples import matmul_args, matmul_kernel  # noqa: E402
-from smemguard.facts.settings import Settings  # noqa: E402
+import smemguard
+from smemguard.examples import matmul_args, matmul_kernel
+from smemguard.facts.settings import Settings
 
 
 @triton.jit
@@ -76,10 +72,9 @@ def _wrapt_off():
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     parser.add_argument("--blocks", type=int, default=40, help="blocks per side (default 40)")
     parser.add_argument("--launches", type=int, default=1000, help="launches per block (default 1000)")
-    parser.add_argument("--json", type=Path, help="write all block timings here")
     args = parser.parse_args()
 
     n = 4096
@@ -137,13 +132,9 @@ def main() -> int:
         for side in sides:
             median, p10, p90 = summary(side.blocks[workload])
             rows.append((workload, side.name, median, p10, p90, median / base))
-    meta = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__,
-            "python": sys.version.split()[0], "smemguard": smemguard.__version__,
-            "date": time.strftime("%Y-%m-%d"), "blocks": args.blocks, "launches_per_block": args.launches}
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows,
-                                         "blocks": {s.name: s.blocks for s in sides}}, indent=1))
-    print(f"# launch overhead: {meta}")
+    document = harness.write(args.json, {"rows": rows, "blocks": {s.name: s.blocks for s in sides}}, "wrapt",
+                             blocks=args.blocks, launches_per_block=args.launches)
+    print(f"# launch overhead: {harness.headline(document)}, {args.blocks} blocks of {args.launches} launches")
     print(f"{'workload':10} {'side':10} {'median us':>10} {'p10':>7} {'p90':>7} {'ratio':>7}")
     for workload, side, median, p10, p90, ratio in rows:
         print(f"{workload:10} {side:10} {median:10.2f} {p10:7.2f} {p90:7.2f} {ratio:7.3f}")

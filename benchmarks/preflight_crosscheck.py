@@ -1,6 +1,6 @@
 """Cross-check `smemguard check` against real launches on this GPU (written for the H200).
 
-    PYTHONPATH=. python benchmarks/preflight_crosscheck.py [--json crosscheck.json]
+    python benchmarks/preflight_crosscheck.py [--json crosscheck.json]
 
 Needs torch, triton and this repository, nothing else. For 20 configs (fp16 matmul on both sides
 of the limit, misaligned matmul, vLLM's persistent fp32 matmul aligned and with N == 1, the
@@ -20,14 +20,12 @@ whose limit differs from smemguard's table).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
+import harness
 import torch
 import triton
 from triton import knobs
@@ -104,9 +102,7 @@ def launch(kernel: preflight.CheckedKernel, case: Case) -> tuple[str, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="write the rows here")
-    args = parser.parse_args()
+    args = harness.parser(__doc__).parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -170,9 +166,7 @@ def main() -> int:
     fits_ok = kept_labels == ran
     print(f"\n{len(rows) - mismatches}/{len(rows)} predictions match the launches; fits_for keeps "
           f"{len(kept_labels)} configs, the ones that ran: {'yes' if fits_ok else 'NO'}")
-    if args.json:
-        args.json.write_text(json.dumps({"gpu": name, "triton": triton.__version__, "torch": torch.__version__,
-                                         "rows": rows, "fits_for_matches": fits_ok}, indent=2))
+    harness.write(args.json, {"rows": rows, "fits_for_matches": fits_ok})
     return 0 if mismatches == 0 and fits_ok else 1
 
 

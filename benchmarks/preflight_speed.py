@@ -14,15 +14,12 @@ calibrated interval.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
-import triton
+import harness
 
 from smemguard.facts import gpus
 from smemguard import preflight
@@ -86,21 +83,19 @@ def calibration(exact: preflight.Report) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     parser.add_argument("--target", action="append", help="what to check (default: smemguard's example kernels)")
     parser.add_argument("--gpu", default=GPUS, help=f"GPUs to check against (default {GPUS})")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--verify", action="store_true", help="also compile every config and compare the verdicts")
-    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     kernels = preflight.discover(args.target or [], examples=not args.target)
     chosen = parse_gpus([args.gpu])
-    result = {"triton": triton.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-              "cpu": platform.processor() or platform.machine(), "load": os.getloadavg()[0], "jobs": args.jobs,
-              "targets": args.target or ["--examples"], "gpus": [gpu.name for gpu in chosen]}
-    print(json.dumps(result), flush=True)
+    setup = {"jobs": args.jobs, "targets": args.target or ["--examples"], "gpus": [gpu.name for gpu in chosen]}
+    print(json.dumps(setup), flush=True)
+    result = {}
     status = 0
-    with tempfile.TemporaryDirectory(prefix="smemguard-bench-") as scratch:
+    with harness.scratch("preflight-speed") as scratch:
         report = run(kernels, chosen, Path(scratch), exact=False, jobs=args.jobs)
         result["check"] = describe(report)
         print(json.dumps(result["check"]), flush=True)
@@ -115,8 +110,7 @@ def main() -> int:
                 print("  " + line)
             status = 1 if wrong else 0
     result["load_after"] = os.getloadavg()[0]
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(harness.headline(harness.write(args.json, result, **setup)))
     print(f"cold check: {report.seconds:.1f} s for {len(report.verdicts)} verdicts, {report.compiles} compiles "
           f"({'within' if report.seconds <= GOAL_SECONDS else 'OVER'} the {GOAL_SECONDS:.0f} s goal)")
     return status

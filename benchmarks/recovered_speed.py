@@ -19,22 +19,19 @@ Reported as throughput relative to "best fitting" (1.0 = as fast as the best tha
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import smemguard  # noqa: E402
-from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel, tiled_grid  # noqa: E402
-from smemguard.facts import process  # noqa: E402
-from smemguard.facts.settings import Settings  # noqa: E402
+import smemguard
+from smemguard.examples import autotuned_matmul, matmul_args, matmul_kernel, tiled_grid
+from smemguard.facts import process
+from smemguard.facts.settings import Settings
 
 LIMITS = {"L20": 101376, "A100": 166912}
 CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_stages=s,
@@ -136,22 +133,18 @@ def run_shape(m, n, k, dtype, scratch: Path) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser = harness.parser(__doc__)
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="run only the first N shapes")
     args = parser.parse_args()
     started = time.perf_counter()
     rows = []
-    with tempfile.TemporaryDirectory() as scratch:
+    with harness.scratch("recovered-speed") as scratch:
         for m, n, k, dtype in SHAPES[: args.shapes]:
             rows.extend(run_shape(m, n, k, dtype, Path(scratch)))
             print(f"  done {m}x{n}x{k} {dtype} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    meta = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - started, 1)}
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    document = harness.write(args.json, rows, seconds=round(time.perf_counter() - started, 1))
     names = ["smemguard", "stages=1", "formula", "torch.mm"]
-    print(f"# recovered speed, throughput relative to the best fitting config: {meta}")
+    print(f"# recovered speed, throughput relative to the best fitting config: {harness.headline(document)}")
     print(f"{'shape':16} {'dtype':8} {'gpu':5} {'action':15} " + " ".join(f"{name:>9}" for name in names))
     for row in rows:
         cells = " ".join(f"{row['relative'][name]:9.3f}" if row["relative"][name] else f"{'-':>9}" for name in names)

@@ -14,21 +14,14 @@ L20 limit (101376 B), in three situations:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 WORKER = r"""
 import json, sys, time, torch
 from triton import knobs
-sys.path.insert(0, sys.argv[1])
 import smemguard
 from smemguard.engine import recovery
 from smemguard.examples import matmul_args, matmul_kernel
@@ -63,32 +56,18 @@ print(json.dumps({"first": first, "again": again}))
 """
 
 
-def run_worker(env: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", WORKER, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(done.stderr)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
-    import torch
-    import triton
-
-    with tempfile.TemporaryDirectory() as scratch:
-        env = {**os.environ, "SMEMGUARD_MAX_SHARED": "L20", "SMEMGUARD_CACHE_DIR": f"{scratch}/decisions",
-               "TRITON_CACHE_DIR": f"{scratch}/triton"}
-        first_process = run_worker(env)
-        second_process = run_worker(env)
-    results = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "first_process": first_process, "second_process": second_process}
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    args = harness.parser(__doc__).parse_args()
+    with harness.scratch("recovery-cost") as scratch:
+        # both processes share the decision store and Triton's cache (warm for the second): a fleet's next process
+        env = harness.environment(limit="L20", cache_dir=f"{scratch}/decisions",
+                                  triton_cache=harness.TritonCache("warm", Path(scratch)).next())
+        first_process = harness.fresh_process(["-c", WORKER], env=env)
+        second_process = harness.fresh_process(["-c", WORKER], env=env)
+    document = harness.write(args.json, {"first_process": first_process, "second_process": second_process},
+                             limit="L20")
     first, again, fresh = first_process["first"], first_process["again"], second_process["first"]
-    print(f"# recovery cost: {results['device']}, Triton {results['triton']}, torch {results['torch']}")
+    print(f"# recovery cost: {harness.headline(document)}")
     print(f"{'case':34} {'time':>12} {'compiles (num_stages)':>24} {'exceptions':>10}")
     print(f"{'first incident (cold Triton cache)':34} {first['ms']:9.1f} ms {str(first['compiled_stages']):>24} "
           f"{first['exceptions']:>10}")

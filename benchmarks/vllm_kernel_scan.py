@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 GPUS = ("T4", "L4", "RTX5090")
 DEVICE_NAMES = {"T4": "Tesla T4", "L4": "NVIDIA L4", "RTX5090": "NVIDIA GeForce RTX 5090"}
 
@@ -388,11 +390,9 @@ def outcome(plain: dict, on: dict | None) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = harness.parser(__doc__)
     parser.add_argument("--gpu", default=",".join(GPUS), help="GPUs from 'smemguard gpus' (default: T4,L4,RTX5090)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
-    parser.add_argument("--json", type=Path, help="also write every result here")
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per case and mode (default: 1500)")
     parser.add_argument("--one", nargs=3, metavar=("CASE", "GPU", "MODE"), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -412,8 +412,7 @@ def main(argv=None) -> int:
             on = in_a_fresh_process(name, gpu, "on", options.timeout) if plain.get("fits") is False else None
             results += [result for result in (plain, on) if result]
             rows.append((kernel, gpu, config, *outcome(plain, on)))
-    if options.json:
-        options.json.write_text(json.dumps(results, indent=1, default=str))
+    print(harness.headline(harness.write(options.json, results, "vllm")))
     print("| kernel | GPU | config | bytes | outcome |\n|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

@@ -23,7 +23,6 @@ it overflow. The last lines printed are the table.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib.util
 import json
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+
+import harness
 
 FILES = {
     "vllm.v1.attention.ops.triton_attention_helpers": "vllm/v1/attention/ops/triton_attention_helpers.py",
@@ -44,8 +45,7 @@ FILES = {
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = harness.parser(__doc__)
     parser.add_argument("source", type=Path, help="folder with vLLM's files at their wheel paths (see below)")
     parser.add_argument("--limit", default="T4", help="SMEMGUARD_MAX_SHARED for every case (default: T4)")
     parser.add_argument("--vllm-version", default="0.33.0", help="the release the files come from (default: 0.33.0)")
@@ -331,8 +331,10 @@ def main(argv=None) -> int:
             outcome, ok = f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}", False
         actions = ", ".join(f"{r['action']} {r.get('final') or ''}".strip() for r in records(log)[seen:])
         rows.append((label, actions or "fits without recovery", outcome, "ok" if ok else "FAILED"))
-    print(f"\nsmemguard {smemguard.__version__}, vLLM files {args.vllm_version}, {torch.cuda.get_device_name()}, "
-          f"SMEMGUARD_MAX_SHARED={args.limit}, incident records: {log}")
+    document = harness.write(args.json, [dict(zip(("case", "smemguard", "vs torch", "verdict"), row)) for row in rows],
+                             limit=args.limit, vllm_files=args.vllm_version)
+    print(f"\n{harness.headline(document)}, vLLM files {args.vllm_version}, SMEMGUARD_MAX_SHARED={args.limit}, "
+          f"incident records: {log}")
     widths = [max(len(row[i]) for row in rows + [("case", "smemguard", "vs torch", "")]) for i in range(4)]
     for row in [("case", "smemguard", "vs torch", ""), *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))

@@ -144,7 +144,7 @@ def amd_config(block_m, block_n, block_k, num_stages, **options):
 
 # -- smemguard check for AMD GPUs -------------------------------------------------------------------
 
-# LDS of smemguard's example fp16 matmul measured by benchmarks/amd_lds_sweep.py (gfx90a, gfx942, gfx950;
+# LDS of smemguard's example fp16 matmul measured by benchmarks/smem_sweep.py (gfx90a, gfx942, gfx950;
 # Triton 3.4.0, 3.6.0, 3.9.0), the data the AMD estimate was calibrated on.
 AMD_SWEEP = Path(__file__).parent / "data" / "amd_lds_sweep.csv"
 MI355X = gpus.lookup("MI355X")
@@ -178,7 +178,7 @@ def test_the_amd_estimate_holds_every_config_the_sweep_measured_with_this_triton
     rows = [row for row in csv.DictReader(AMD_SWEEP.open())
             if row["triton"] == triton.__version__ and row["kernel"] == "matmul_kernel" and row["shared"]]
     if not rows:
-        pytest.skip(f"benchmarks/amd_lds_sweep.py has no measurements with Triton {triton.__version__}")
+        pytest.skip(f"benchmarks/smem_sweep.py --vendor amd has no measurements with Triton {triton.__version__}")
     kernels = {dtype: preflight.discover(["smemguard.examples:matmul_kernel"], overrides={
         "dtype": dtype, "ones": [["N"]], "configs": [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)]})[0]
         for dtype in {row["dtype"] for row in rows}}

@@ -12,7 +12,7 @@ from smemguard.kernels.estimate import stages_change_bytes
 from test_preflight import SWEEP, assert_estimates_agree, results  # noqa: F401 (results is a fixture)
 
 # Shared memory of smemguard's example matmuls compiled for sm_70, sm_75 and sm_120 by
-# benchmarks/nvidia_smem_sweep.py, with the Triton release of each row.
+# benchmarks/smem_sweep.py --vendor nvidia, with the Triton release of each row.
 NVIDIA_SWEEP = Path(__file__).parent / "data" / "nvidia_smem_sweep.csv"
 T4 = gpus.lookup("T4")
 DUMMY_CONFIG = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)]

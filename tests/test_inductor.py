@@ -362,7 +362,7 @@ def test_flex_tiles_are_halved_under_another_tools_layer_that_hides_the_signatur
                                                                                   capability_89, triton_cache,
                                                                                   monkeypatch):
     """A tool that wrapped the heuristic with ``(self, *args, **kwargs)`` and no ``__wrapped__`` before install (as
-    benchmarks/inductor_cases.py does to record the configs): the arguments are read by the convention every torch
+    the torch.compile matrix benchmark does to record the configs): the arguments are read by the convention every torch
     keeps, head_dim first and dtype last, and the backward's tiles are still halved (measured on the H200: without
     this, FlexAttention D=256 failed under an RTX 4090's limit)."""
     import torch

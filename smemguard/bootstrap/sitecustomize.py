@@ -8,7 +8,7 @@ It holds nothing but this file, so that nothing else of smemguard becomes a top-
 
 smemguard is imported and installed only when the process imports Triton (right after Triton's own
 module has run, before the importer goes on): a process that never does (a shell tool, a data loader, a
-CPU-only worker) pays nothing but this file, not smemguard's ~0.2-0.3 s of imports (wrapt, metrics). A
+CPU-only worker) pays nothing but this file, not smemguard's imports (wrapt, metrics; measured: docs/MEASURED.md). A
 process that imports Triton gets what ``smemguard.install()`` before its first line would give it: the
 guard installs at Triton's import in both cases, and library patches find their modules already imported.
 

@@ -24,9 +24,9 @@ Rules, and why:
   a kernel with too many warps is left to the launch guard, which lowers its warps.
 * **The autotuner's benchmark** (``Autotuner._bench``, a library tuner's, Inductor's) times each config as
   the kernel that will run: the JIT caches the fitting variant under the config's own key, so a config
-  chosen for its fewer-stage variant's time launches exactly what was timed. (Before the core, an
-  overflowing config had to count as failed, since its launch would have raised; timing its variant instead
-  raises nothing and can only choose a faster kernel that fits.) The next process's benchmark times the stored
+  chosen for its fewer-stage variant's time launches exactly what was timed. (Counted as failed, an
+  overflowing config could only lose a faster kernel that fits; timing its variant raises nothing.) The next
+  process's benchmark times the stored
   fitting variant (``patches/jit_compile`` compiles it directly), so it chooses as the first did; a config the
   decision cache stores as switched away from is still refused before compiling there.
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)

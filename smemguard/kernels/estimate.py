@@ -28,7 +28,7 @@ smemguard/kernels/estimate.py). The textbook S·T is off by S/(S-1) on sm_80/89/
 sm_70/75: it drops configs that fit.
 
 On AMD (gfx90a, gfx942, gfx950; fp16 or bf16 operands; same tiles, stages and warps), with A and
-B the bytes of one A and one B tile (T = A + B), measured by ``benchmarks/amd_lds_sweep.py``:
+B the bytes of one A and one B tile (T = A + B), measured by ``benchmarks/smem_sweep.py``:
 
 =================================================================  ===========================
 code path                                                          interval (bytes)

@@ -7,8 +7,8 @@ tile or compute the grid from the same choice (``vllm_unified_attention``,
 per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
 
 How: the wrapper gets a plain function layer, a ``try`` around the call (a healthy call pays one
-Python frame and nothing else; a wrapt ``FunctionWrapper`` costs several times that, measured in
-``docs/BENCHMARKS.md``). When the call raises ``OutOfResources`` for shared
+Python frame and nothing else; a wrapt ``FunctionWrapper`` costs several times that;
+measured: docs/MEASURED.md). When the call raises ``OutOfResources`` for shared
 memory, the frame directly below the wrapper's in the traceback is the launcher ``kernel[grid]``
 returned: its ``self`` is the kernel, its ``args``/``kwargs`` the launch's arguments. Only when that
 kernel is the patch's kernel (the first launch of the call, so nothing of the call has run) and its

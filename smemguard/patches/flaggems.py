@@ -27,10 +27,9 @@ What it does, when ``flag_gems.utils.libentry`` is imported:
 FlagGems' own errors (its 16-byte alignment assertion for TMA descriptors, a compile error
 of its TMA kernel) are not ``OutOfResources`` and pass through untouched.
 
-Read in FlagGems 5.0.2 (``flag_gems/utils/libentry.py``, ``flag_gems/ops/mm.py``,
-``flag_gems/runtime/backend/_nvidia/hopper/ops/mm.py``). Another 5.0 release is patched only
-if its layers still have the attributes read here; otherwise one line says so and FlagGems
-runs unguarded.
+Read in the FlagGems releases of ``PATCH.checked`` (the files: docs/MEASURED.md). Another release of
+the supported range is patched only if its layers still have the attributes read here; otherwise one line says
+so and FlagGems runs unguarded.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ own limit adds nothing, so its keys are torch's. This is a setting, not a functi
 puts back the value found, unless something else has set the tag since: then theirs stands.
 
 The setting is ``torch/compiler/config.py``'s in every release checked (read by ``FxGraphHashDetails``,
-``AutotuneCache`` and AOTAutograd's cache key); read in 2.8 to 2.10.
+``AutotuneCache`` and AOTAutograd's cache key; releases: docs/MEASURED.md).
 """
 
 from __future__ import annotations

@@ -40,11 +40,8 @@ the emulated limit still holds at the load. (Read in the source; not measured on
 Inductor's FX graph cache keys a compiled graph by the device's name, not by a limit: under
 ``SMEMGUARD_MAX_SHARED`` the ``inductor_cache_key`` patch gives the emulated GPU keys of its own.
 
-In torch 2.11 and 2.13 (``torch/_inductor/template_heuristics/triton.py``: ``FlexConfig``
-``(block_m, block_n, num_stages, num_warps)`` and ``FlexBwDConfig(block_m1, block_n1, block_m2, block_n2,
-num_stages, num_warps)``, dataclasses; ``get_flex_attn_*_configs(self, head_dim, dtype)``), 2.14.1 and 2.15.0
-(``torch/_inductor/heuristics/template/triton.py``, the forward's ``(self, head_dim, seq_len, dtype)``: the
-arguments are read by name); read in 2.8, where the module is ``torch/_inductor/template_heuristics.py``.
+The configs are ``FlexConfig`` and ``FlexBwDConfig`` dataclasses and the heuristics' arguments are read by name, as
+the releases differ (the modules and signatures of each: docs/MEASURED.md).
 """
 
 from __future__ import annotations

@@ -12,11 +12,8 @@ raises the same error with it, so torch.compile code fails on an H200 exactly as
 Only applied with ``SMEMGUARD_MAX_SHARED``; it changes nothing else (a kernel already loaded, or one
 that fits, goes straight to Inductor's loader).
 
-In torch 2.11 and 2.13 (``torch/_inductor/runtime/static_triton_launcher.py``: the
-kernel's ``name``, ``shared`` and ``function``, None until loaded; 2.13 defines ``load_kernel`` on the
-base class ``StaticallyLaunchedTritonKernel``), 2.14.0 and 2.15.0 (``load_kernel(self, device)`` gains a
-``device_agnostic`` path that loads per device into ``functions``) and read in 2.8 to 2.10, where the module
-is ``static_cuda_launcher``.
+The kernel's ``name``, ``shared`` and ``function`` (None until loaded) and its ``load_kernel``, as each release
+defines them (the modules and signatures: docs/MEASURED.md).
 """
 
 from __future__ import annotations

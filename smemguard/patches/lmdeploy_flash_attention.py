@@ -7,7 +7,7 @@ power of two under the head size. sm_120 takes the table written for sm_100: the
 the keys shared as values gets 64x128, 102400 B at any stage count. No stage is left to take away, and the engine
 never changes the tiles of a plain kernel by itself.
 
-Why smaller tiles are safe (the kernel, read in 0.18.0): the wrapper passes the grid as a function of the
+Why smaller tiles are safe (the kernel as read: docs/MEASURED.md): the wrapper passes the grid as a function of the
 meta-parameters (``(cdiv(max_seqlen_q, META["BLOCK_M"]), heads, batch)``), so it is recomputed for the tile that
 runs, and a program whose ``BLOCK_M * start_m`` is past its sequence returns before touching anything. Query loads
 and the store are masked on the rows (``offs_m < q_seqlen``). Keys and values come through block pointers: the

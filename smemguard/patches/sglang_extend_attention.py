@@ -29,8 +29,8 @@ and the dLLM attention imported them by name). On CUDA each wrapper's first laun
 the compact grid are gfx950 paths; where a wrapper launches other tiles than the choice's, as gfx950's
 ``BLOCK_M=256``, the error is the caller's, unchanged). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Read in SGLang 0.5.23 (``sglang/kernels/ops/attention/extend_attention.py``); older releases kept the
-kernels in ``sglang.srt.layers.attention.triton_ops.extend_attention``, which this does not patch.
+Read in the SGLang releases of ``PATCH.checked`` (``sglang/kernels/ops/attention/extend_attention.py``); older
+releases kept the kernels in ``sglang.srt.layers.attention.triton_ops.extend_attention``, which this does not patch.
 """
 
 from __future__ import annotations

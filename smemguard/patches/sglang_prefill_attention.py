@@ -8,7 +8,7 @@ and prefill without a prefix) chooses ``BLOCK = 128`` inline when the capability
 131072 B (SGLang PR #27962, open); on a T4 (sm_75, 65536 B) head size 256 in fp16 at 64 does not fit either. No stage
 is left to take away, and the engine never changes a tile of a tuple-grid launch.
 
-Why smaller tiles are safe (the kernel, read in 0.5.23): every query load and the store are masked on the rows
+Why smaller tiles are safe (the kernel as read: docs/MEASURED.md): every query load and the store are masked on the rows
 (``offs_m < cur_batch_seq_len``), keys and values per element (``start_n + offs_n < cur_batch_seq_len``, the causal
 mask ``offs_m >= start_n + offs_n``); the key loop runs from 0 in steps of ``BLOCK_N`` to the sequence end (causal:
 the block's last row), and a program whose ``BLOCK_M * start_m`` is past its sequence runs no iteration and stores
@@ -22,10 +22,10 @@ What it does: the choice is inline, so the kernel is declared where the wrapper 
 (``smemguard.tiles_at_launch``: the module's ``_fwd_kernel`` gets a proxy that, inside a declared call, launches the
 tiles learnt for the shape class, query dtype and head size, with the grid above) and the wrapper
 ``smemguard.rerun_on_overflow`` (also where the vision attention imported it by name). ``_fwd_kernel`` is the
-wrapper's only launch. Where not even 16x16 fits (none measured up to head size 512), the call runs in torch
+wrapper's only launch. Where not even 16x16 fits, the call runs in torch
 (``smemguard.fallbacks.sglang_context_attention``). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Read in SGLang 0.5.23 (``sglang/kernels/ops/attention/prefill_attention.py``).
+Read in the SGLang releases of ``PATCH.checked`` (``sglang/kernels/ops/attention/prefill_attention.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """README's vLLM image recipe for L4s, run without Docker, and whether its decisions reach vLLM's own launch.
 
-    CUDA_VISIBLE_DEVICES="" python benchmarks/vllm_image_recipe.py [--out DIR]
+Answered (2-core CPU, vLLM 0.33.0 CUDA wheel, Triton 3.8.0, torch 2.14.0+cu130, 2026-12-02; raw:
+benchmarks/results/2026-12-02-cpu-session-8/vllm_image_recipe.txt): yes. The check found 4 of the kernel's 12
+configs overflowing an L4 (115468 and 131852 B at 4 stages) and wrote 4 decisions (-> 3 stages); with them the
+kernel's autotuner compiled 8 configs instead of 12 (the 4 refused before compiling), the same choice, no incident.
+Hints that were not what vLLM passes wrote decisions that matched nothing.
+
+    CUDA_VISIBLE_DEVICES="" python benchmarks/experiments/vllm_image_recipe.py [--out DIR]
 
 Needs the CUDA vLLM 0.33 wheel (imported without a GPU). Three steps, each in a fresh process: the recipe's
 ``smemguard check ... --decisions`` for FLA's gated-delta-rule prefill kernel on an L4 and ``smemguard cache
@@ -32,7 +38,7 @@ def prefill(cache_dir: str) -> dict:
     """vLLM's prefill call on an L4 stand-in with smemguard using ``cache_dir``: what the kernel compiled and ran."""
     import importlib
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vllm_kernel_scan as scan
 
     for module in scan.VLLM_MODULES:

@@ -1,6 +1,12 @@
 """On a GPU: does changing each loop or config knob keep a kernel's output bitwise the same?
 
-    python benchmarks/knob_bitwise.py results.json        # about a minute on an H200
+Answered (H200, Triton 3.6.0, torch 2.11.0+cu130, 2026-12-01; raw: benchmarks/results/2026-12-01-h200-session-7/
+knob_bitwise.json): every stage change (a loop's literal, the launch option, smemguard's lowering of ``NUM_STAGES``
+with the option, 4 -> 3) is bitwise equal; so are ``loop_unroll_factor=2``, ``flatten``, ``maxnreg`` and
+``disallow_acc_multi_buffer``; ``warp_specialize=True`` does not compile on the pointer-load kernels and gives NaNs
+on the TMA one. The GPU tests keep the stage claim tested (``tests/test_knobs.py``).
+
+    python benchmarks/experiments/knob_bitwise.py results.json        # about a minute on an H200
 
 Launches the kernels and knob variants of ``knob_sweep.py`` (which measures their shared memory on
 a CPU) on 2048x2048x2048 fp16 operands, each variant's output compared with its kernel's baseline
@@ -21,8 +27,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from knob_sweep import BASE, VARIANTS, _KERNELS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""One case of ``inductor_matrix.py``, run in a fresh process: ``python inductor_cases.py CASE_JSON RESULT_JSON``.
+"""One case of ``benchmarks/inductor_matrix.py`` in a fresh process: ``python inductor_cases.py CASE RESULT_JSON``.
 
 The parent gives this process its environment (fresh Inductor and Triton caches, the ``SMEMGUARD*`` settings);
 ``case["smemguard"]`` says whether to ``import smemguard; smemguard.install()`` before anything compiles.

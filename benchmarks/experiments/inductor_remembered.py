@@ -1,6 +1,11 @@
-"""Does the next process load a recovered torch.compile kernel directly? (issue 22, on a GPU)
+"""Does the next process load a recovered torch.compile kernel directly? (on a GPU)
 
-    python benchmarks/inductor_remembered.py OUT_DIR [--case flex-D128-bf16-h200] [--limit RTX4090]
+Answered (H200, torch 2.11.0+cu130, Triton 3.6.0, 2026-12-01; raw: benchmarks/results/2026-12-01-h200-session-7/
+inductor_remembered.json): yes for a recompiled graph (each stored variant compiled once, no failing load); the graph
+from Inductor's FX graph cache failed on a bug fixed after the run and covered on the CPU
+(``tests/test_inductor.py::test_a_kernel_from_a_compile_worker_or_the_fx_graph_cache_recovers_too``).
+
+    python benchmarks/experiments/inductor_remembered.py OUT_DIR [--case flex-D128-bf16-h200] [--limit RTX4090]
 
 Runs one FlexAttention case of ``inductor_matrix.py`` three times, each a fresh process sharing one
 ``SMEMGUARD_CACHE_DIR`` (smemguard's decision file):
@@ -24,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inductor_matrix import Case, _spec, run_case  # noqa: E402
 

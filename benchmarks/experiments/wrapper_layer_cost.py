@@ -1,7 +1,11 @@
 """Host cost per call of smemguard's layer on a vLLM wrapper function (unified_attention,
 context_attention_fwd), measured around a no-op with the argument list vLLM's Triton backend passes.
 
-    python benchmarks/wrapper_layer_cost.py [--calls 200000] [--repeat 7]
+Answered (2-core AMD EPYC, Python 3.11.7, wrapt 2.5.2): the plain function layer costs 0.11 to 0.13 us a call over
+the bare call (0.10 to 0.11 us), a wrapt ``FunctionWrapper`` with the same ``try`` 0.55 us: about 5 times as much,
+in every run. So the vLLM wrapper patches use plain function layers.
+
+    python benchmarks/experiments/wrapper_layer_cost.py [--calls 200000] [--repeat 7]
 
 Prints the bare call and, for each layer, its cost over the bare call (best of --repeat timeit
 runs, microseconds per call): smemguard's plain function layer (``patches._tile_choice``), and a

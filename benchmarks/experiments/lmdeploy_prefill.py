@@ -1,5 +1,10 @@
 """LMDeploy's Triton prefill attention on the CPU harness: which launches fit, without smemguard and under it.
 
+Answered (CPU harness, LMDeploy 0.18.0, Triton 3.6.0, torch 2.13.0 CPU, 2026-12-05; raw:
+benchmarks/results/lmdeploy_prefill.txt and .json): 40 cases, 10 do not fit, 9 recovered (fewer stages, or the
+pack's smaller tiles), 1 left (the absorbed MLA 576/512 on a T4: 69632 B at 16x16), 0 broken. LMDeploy's own tests
+on a GPU are a field suite now (``benchmarks/field_suites.py --suites lmdeploy``).
+
 ``lmdeploy.pytorch.kernels.cuda.flashattention.flash_attn_varlen_func`` picks its tiles and stages from the compute
 capability and the head size. For each GPU of the table, head sizes (q/k, v) and keys shared with values or not,
 one causal prefill of 256 tokens, 8 heads, fp16 is launched on ``smemguard.testing.fake_gpu`` (Triton compiles for
@@ -7,7 +12,7 @@ that arch and limit, nothing executes), once in a process without smemguard and 
 ``smemguard.install()`` (the default install, with the pack ``patches/lmdeploy_flash_attention``). Each process has a
 Triton cache of its own. ``BLOCK_M`` is read from the launch's grid, ``(cdiv(256, BLOCK_M), 8, 1)``.
 
-    python benchmarks/lmdeploy_prefill.py [--json PATH]
+    python benchmarks/experiments/lmdeploy_prefill.py [--json PATH]
 
 Needs LMDeploy 0.18 and a Triton it compiles with (3.4 to 3.7; see tests/test_lmdeploy.py for what to install).
 """
@@ -23,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPUS = {"RTX5090": (12, 0), "L4": (8, 9), "RTX3090": (8, 6), "A100": (8, 0), "T4": (7, 5)}
 HEAD_SIZES = ((64, 64), (128, 128), (192, 128), (256, 256), (576, 512))  # (192, 128): DeepSeek-V3's MLA prefill
 TOKENS, HEADS = 256, 8

@@ -1,6 +1,13 @@
 """What the loop and config knobs of Triton kernels do to shared memory and to the arithmetic, on this CPU.
 
-    PYTHONPATH=. python benchmarks/knob_sweep.py --out benchmarks/results/2026-12-01-cpu-knob-sweep-triton39.json
+Answered (Triton 3.9.0, 2026-12-01; raw: benchmarks/results/2026-12-01-cpu-knob-sweep-triton39.json; the table and
+what smemguard does with each knob: docs/KNOBS.md): a loop's ``num_stages=`` moves the bytes by one stage of tiles
+per count with the arithmetic unchanged (the launch option alone moves nothing when the loop sets its own);
+``loop_unroll_factor`` multiplies them; ``warp_specialize`` adds 16840 B on sm_90 with TMA loads; ``flatten`` lowers
+them; ``maxnreg``, ``disallow_acc_multi_buffer``, ``num_buffers_warp_spec`` and ``num_consumer_groups`` change no
+byte.
+
+    python benchmarks/experiments/knob_sweep.py --out OUT.json
 
 Compiles (``triton.compile``, PTX through ptxas for NVIDIA, the AMD code object for gfx950; no GPU)
 two fp16 kernels that expose every knob as a parameter, for sm_90 (H100/H200), sm_100 (B200) and
@@ -20,7 +27,7 @@ arithmetic ops in the TTGIR (dots, adds, multiplies, conversions) and the matrix
 PTX / AMDGCN (``wgmma ... m64n128k16``, ``tcgen05.mma``, ``v_mfma_f32_32x32x16_f16``). "same" means
 every arithmetic op kind and matrix instruction of the baseline, and no other, is there: the
 software pipeline, unrolling and register limits move loads and copies, not these. It is evidence,
-not proof: bitwise equality needs a GPU (``benchmarks/knob_bitwise.py``).
+not proof: bitwise equality needs a GPU (``knob_bitwise.py`` beside this file).
 
 Writes one JSON document (rows and the Triton version) and prints a table.
 """

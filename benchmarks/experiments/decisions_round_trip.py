@@ -1,6 +1,13 @@
 """Every decision ``smemguard check --decisions`` writes, launched as checked: compiled directly, or not?
 
-    python benchmarks/decisions_round_trip.py --gpu L4,T4,MI300X [--examples] [TARGET ...] [--json OUT]
+Answered (CPU harness, Triton 3.9.0, torch 2.13.0 CPU, 2026-12-02; raw: benchmarks/results/2026-12-02-cpu-session-8/
+decisions_round_trip.md): yes. ``check --examples --gpu T4,MI300X,L4 --decisions`` wrote 147 decisions; of the first 6
+per kernel and GPU (33 launches), every launch with the imported file compiled one variant and raised nothing, without
+it 2 to 4 compiles and an incident each; the same variant in 27 of 33 (the 6 others: T4 config switches to another
+fitting config, where recovery races candidates on the stand-in's arbitrary timings and the check keeps the first
+that fits). ``tests/test_preflight_decisions.py`` keeps the claim tested.
+
+    python benchmarks/experiments/decisions_round_trip.py --gpu L4,T4,MI300X [--examples] [TARGET ...] [--json OUT]
 
 The CPU harness (``smemguard.testing.fake_gpu``; AMD needs ld.lld, see README's ROCm section). The check
 runs on the targets (default: smemguard's examples), its decisions are imported into a fresh cache, and

@@ -1,5 +1,12 @@
 """Should a FlexAttention graph that no config fits fall back to torch's own eager path? Measured, in one run.
 
+Answered (H200, torch 2.11.0+cu130, Triton 3.6.0, 2026-12-04; raw: benchmarks/results/2026-12-04-h200-issue32/
+flex_eager_fallback.json): no automatic eager fallback. The graph that fails is the backward, compiled after the
+forward ran and its output was used: moving it to eager means running the forward again, a re-launch after a launch
+started. And eager FlexAttention's memory grows with the square of the sequence: 30275 MiB at 8192 tokens against
+1345 MiB compiled, more than a T4 has. smemguard's record and warning for such a template say how to run it
+uncompiled where the user knows their sequence lengths.
+
 Issue 32's last torch.compile case: FlexAttention with head size 256 in fp32 under a T4's 65536 B. Its forward needs
 135424-168064 B at one stage and its backward 66560 B at the smallest tiles (16x16, one stage, 4 warps), so no
 config of the template fits and Inductor raises ``No valid triton configs``. The candidate fallback is torch's own
@@ -12,7 +19,7 @@ side by side with the compiled kernel where it fits (no limit):
 2. in a child process with ``SMEMGUARD=on SMEMGUARD_MAX_SHARED=<limit>``: what compiling that graph raises, and
    whether ``suppress_errors`` rescues the forward and the backward.
 
-    python benchmarks/flex_eager_fallback.py --json out.json [--lengths 1024,4096,8192] [--limit T4]
+    python benchmarks/experiments/flex_eager_fallback.py --json out.json [--lengths 1024,4096,8192] [--limit T4]
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _case(length: int, *, batch: int, heads: int, dim: int, dtype, device: str, compiled: bool, repeats: int):
