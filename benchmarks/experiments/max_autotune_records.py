@@ -6,7 +6,7 @@ default), each tree in a fresh process with a cold Inductor cache. Answers: does
 records does one compile write, and how many of them are ``reraised`` (the series an operator is paged on)?
 A choice max-autotune times and discards is not a failed request: on a tree that knows it, ``reraised`` is 0.
 
-    python benchmarks/max_autotune_records.py --tree before=.baseline --tree after=. --limit T4 --json out.json
+    python benchmarks/experiments/max_autotune_records.py --tree before=.field/smemguard-base --tree after=. --limit T4
 
 Needs a CUDA GPU, torch with Inductor, and transformers.
 """
