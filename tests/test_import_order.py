@@ -1,0 +1,65 @@
+"""The import-order dimension of the patch contract (ddtrace's contrib tests have it): every patch applies whether
+its library is imported before ``install()`` or after it (through the post-import hook), exactly once when the
+library or the install comes twice, and one ``unpatch`` takes it off again (a second layer would be left behind).
+Each order in a fresh interpreter; a library not installed here is skipped (CI's later stages have them)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from smemguard import patches
+
+from conftest import run_python
+
+ORDERS = ("imported before install", "imported after install", "imported and installed twice")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", patches.MODULES)
+def test_a_patch_applies_once_whatever_the_import_order(name, order):
+    import importlib
+
+    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    module = next((module for module in patch.modules if _importable(module)), None)
+    if module is None:
+        pytest.skip(f"{name} patches {', '.join(patch.modules)}, not installed here")
+    result = run_python(f"""
+        import importlib, json, logging
+        import smemguard
+        from smemguard.facts.settings import Settings
+        from smemguard.patches import {name} as patched
+
+        settings = Settings(max_shared=65536)  # every patch wanted: an emulated limit, a decision cache
+        wanted = patched.PATCH.applies(settings)
+        order = {order!r}
+        if {module!r} != "triton":
+            import triton  # the library patches apply once Triton is guarded, whenever that is
+        if order == "imported before install":
+            importlib.import_module({module!r})
+            smemguard.install(settings)
+        else:
+            smemguard.install(settings)
+            importlib.import_module({module!r})
+            if order == "imported and installed twice":
+                importlib.import_module({module!r})
+                smemguard.install(settings)
+                smemguard.uninstall()
+                smemguard.install(settings)
+                smemguard.install(settings)
+        applied = patched.PATCH.is_patched()
+        patched.PATCH.unpatch()
+        print(json.dumps({{"wanted": wanted, "applied": applied, "left": patched.PATCH.is_patched()}}))
+    """)
+    seen = json.loads(result.stdout.splitlines()[-1])
+    if not seen["wanted"]:
+        pytest.skip(f"{name} is not wanted with an emulated limit and a decision cache")
+    assert seen["applied"], f"{name} did not apply when its library was {order}"
+    assert not seen["left"], f"{name} applied twice when its library was {order}: one unpatch left a layer"
