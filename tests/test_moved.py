@@ -93,6 +93,16 @@ def test_a_folder_imports_only_its_own_and_the_folders_below(folder):
     assert {path: folders for path, folders in above.items() if folders} == {}
 
 
+def test_the_store_keeps_plain_data_and_imports_neither_triton_nor_the_kernels():
+    """The store validates, locks, merges and writes: what identifies a compiled variant is the kernels' (issue 46)."""
+    for path in sorted((PACKAGE / "store").glob("*.py")):
+        assert _imported_folders(path) <= {"facts", "store"}, path
+        imported = {alias.name for node in ast.walk(ast.parse(path.read_text()))
+                    for alias in getattr(node, "names", ()) if isinstance(node, ast.Import)} | {
+            node.module or "" for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
+        assert not any(name == "triton" or name.startswith("triton.") for name in imported), path
+
+
 def test_every_folder_of_the_package_ships_in_the_wheel():
     import tomllib
 

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from ..facts import process
-from ..kernels import introspect, recorded
+from ..kernels import introspect, recorded, variants
 from ..store import decision_cache, incidents
 from ..store.decision import AUTOTUNE_SKIPPED, CONFIG_CHANGED, SHARED, STAGES_REDUCED
 from .candidates import next_stage_count
@@ -104,8 +104,8 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     store = decision_cache.store(directory)
     if store is None or compiling_as_asked or not (store.holds("compile") or store.holds("launch")):
         return None
-    variant = decision_cache.variant_id(source, options.__dict__)
-    key = decision_cache.case_id(decision_cache.device_case(jit, variant, device))
+    variant = variants.variant_id(source, options.__dict__)
+    key = decision_cache.case_id(variants.device_case(jit, variant, device))
     table, entry = next(((table, entry) for table in ("compile", "launch")
                          if (entry := store.get(table, key)) is not None), (None, None))
     if entry is None:
@@ -308,7 +308,7 @@ def _fewer_stages(compile_at, stages: int, required: int, limit: int):
 
 
 def _case(jit, kernel, device: int) -> tuple[str, dict]:
-    case = decision_cache.device_case(jit, decision_cache.compiled_variant_id(kernel), device)
+    case = variants.device_case(jit, variants.compiled_variant_id(kernel), device)
     return decision_cache.case_id(case), case
 
 
@@ -335,7 +335,7 @@ def _store(case, kernel, count: int, overflow, settings) -> None:
     device, required, _ = overflow
     store.put("compile", key, decision_cache.new_entry(
         fields, action=STAGES_REDUCED, final=f"num_stages={count}",
-        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=decision_cache.gpu_label(device), resource=SHARED,
+        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=variants.gpu_label(device), resource=SHARED,
         required=required, options={"num_stages": count}))
 
 

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from ..facts import files, process
-from ..kernels import introspect, parameters, recorded
+from ..kernels import introspect, parameters, recorded, variants
 from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
@@ -203,7 +203,7 @@ def _device(autotuner) -> int:
 def _case(autotuner, config, device: int) -> dict:
     """What identifies one config of one Inductor kernel on this GPU's arch and limit to other processes."""
     return {"kernel": kernel_name(autotuner), "source_hash": introspect.source_hash(autotuner.fn),
-            **decision_cache.on_device(device), "config": introspect.config_fields(config)}
+            **variants.on_device(device), "config": introspect.config_fields(config)}
 
 
 def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
@@ -212,7 +212,7 @@ def _remember(autotuner, overflow: Overflow, replaced: list, store) -> None:
         case = _case(autotuner, config, device)
         store.put("inductor", decision_cache.case_id(case), decision_cache.new_entry(
             case, action=action, final=introspect.config_text(candidate), from_config=introspect.config_text(config),
-            gpu=decision_cache.gpu_label(device), resource=overflow.resource, required=overflow.required,
+            gpu=variants.gpu_label(device), resource=overflow.resource, required=overflow.required,
             config=introspect.config_fields(candidate)))
 
 

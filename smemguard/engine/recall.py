@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..facts import process
-from ..kernels import introspect, registry
+from ..kernels import introspect, registry, variants
 from ..kernels.launch import try_compile, with_config
 from ..store import decision_cache
 from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, Decision
@@ -78,7 +78,7 @@ def recall(launch, failing, cases: dict, store: decision_cache.Store):
     """The decision stored for one of ``cases`` (:func:`decisions.cases_for`), applied to ``launch``; None
     when there is none that applies."""
     for name, case in cases.items():
-        table, key = decision_cache.TABLES[name], decision_cache.case_id(case)
+        table, key = TABLES[name], decision_cache.case_id(case)
         entry = store.get(table, key)
         if entry is not None:
             decision = _from_entry(launch, failing, table, key, entry)
@@ -89,11 +89,39 @@ def recall(launch, failing, cases: dict, store: decision_cache.Store):
 
 def remember(launch, failing, error, decision, cases: dict, store: decision_cache.Store):
     """Store ``decision`` about ``error``; if another process stored this case first, apply theirs instead."""
-    case = cases[decision_cache.case_name(decision)]
-    table, entry = decision_cache.entry_of(decision, case, decision_cache.gpu_label(process.current_device()), error)
+    case = cases[case_name(decision)]
+    table, entry = entry_of(decision, case, variants.gpu_label(process.current_device()), error)
     key = decision_cache.case_id(case)
     standing = store.put(table, key, entry)
     if standing is entry:
         return decision
     theirs = _from_entry(launch, failing, table, key, standing)
     return theirs if theirs is not None else decision
+
+
+#: The table each case of :func:`smemguard.kernels.variants.cases_for` is stored in.
+TABLES = {"compile": "compile", "config": "launch", "launch": "launch"}
+
+
+def case_name(decision) -> str:
+    """Which case of :func:`smemguard.kernels.variants.cases_for` stores ``decision``."""
+    if decision.options is not None:
+        return "compile"
+    return "config" if decision.action == CONFIG_CHANGED else "launch"
+
+
+def entry_of(decision, case: dict, gpu: str, error) -> tuple[str, dict]:
+    """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu``
+    (:func:`smemguard.kernels.variants.gpu_label`) about ``error``."""
+    own: dict = {}
+    if decision.options is not None:
+        own["options"] = decision.options
+    else:
+        if decision.config is not None:
+            own["config"] = introspect.config_fields(decision.config)
+        if decision.fallback is not None:
+            own["fallback"] = introspect.callable_name(decision.fallback)
+        own["reason"] = decision.reason
+    return TABLES[case_name(decision)], decision_cache.new_entry(
+        case, action=decision.action, final=decision.final, from_config=decision.attempts[0].config, gpu=gpu,
+        resource=error.name, required=error.required, **own)

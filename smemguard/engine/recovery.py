@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..facts import process
-from ..kernels import introspect, registry
+from ..kernels import introspect, registry, variants
 from ..kernels.launch import Launch, check, overflow, replace_in_jit_cache, resolve, unknown_layer, with_config
 from ..kernels.recorded import described_args
 from ..store import decision_cache, incidents
@@ -118,7 +118,7 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
         store = decision_cache.store(settings.cache_dir)
     if store is not None:
         with steps.skippable("key the stored decisions"):
-            cases = decision_cache.cases_for(launch, failing)
+            cases = variants.cases_for(launch, failing)
     if cases:
         with steps.skippable("recall a stored decision"):
             decision = recall.recall(launch, failing, cases, store)

@@ -12,7 +12,7 @@ import inspect
 from typing import Any, Callable
 
 from ..facts import process
-from ..kernels import introspect, recorded
+from ..kernels import introspect, recorded, variants
 from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents, tile_entries
@@ -60,7 +60,7 @@ class Outcome:
         with self.steps.skippable("store the tiles"):
             store.put(TABLE, decision_cache.case_id(case), decision_cache.new_entry(
                 case, action=TILES_REDUCED, final=self.declaration.label(final), from_config=self.failed[0].config,
-                gpu=decision_cache.gpu_label(device), resource=SHARED, required=self.error.required,
+                gpu=variants.gpu_label(device), resource=SHARED, required=self.error.required,
                 value=_as_stored(final)))
 
     @property
@@ -182,7 +182,7 @@ def _case(declaration, wrapper: str, shape: tuple) -> dict:
     return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, declaration.jits)),
             "source_hash": ",".join(map(introspect.source_hash, declaration.jits)), "choice": declaration.name,
             "tile": ",".join(declaration.tiles),
-            "shape": [list(pair) for pair in shape], **decision_cache.on_device(process.current_device())}
+            "shape": [list(pair) for pair in shape], **variants.on_device(process.current_device())}
 
 
 def _as_stored(tiles: tuple) -> int | list[int]:

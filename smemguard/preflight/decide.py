@@ -7,7 +7,7 @@ arguments whose alignment, sizes divisible by 16 and arguments equal to 1 are th
 the config in force through the kernel's own autotuner (or passed to a plain JIT function). Triton
 compiles it for the GPU's arch and its own check rejects it; recovery's ladder
 (:func:`smemguard.engine.ladder.decide`) compiles candidates as at run time, and the decision is keyed as
-recovery keys it (:func:`smemguard.store.decision_cache.cases_for`: by what was compiled, not by how the launch
+recovery keys it (:func:`smemguard.kernels.variants.cases_for`: by what was compiled, not by how the launch
 spelled it). A host that imports the file compiles a fewer-stage (or fewer-warp) variant directly,
 and switches a tuner from the config to the stored one at its first launch without compiling the config
 or trying others.
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..engine import ladder
+from ..engine import ladder, recall
 from ..facts import gpus
-from ..kernels import introspect, tuners
+from ..kernels import introspect, tuners, variants
 from ..kernels.launch import overflow, resolve
 from ..store import decision_cache
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
@@ -160,8 +160,8 @@ def _decide_one(kernel: CheckedKernel, variant: Variant, spec: Specialization, g
     if decision.action not in (*OPTION_ONLY, CONFIG_CHANGED):
         what = "run the registered fallback" if decision.action == FALLBACK else f"re-raise ({decision.reason})"
         raise NotDecided(f"recovery would {what} here; that holds for one tuning key only, so it is not written")
-    case = decision_cache.cases_for(launch, failing)[decision_cache.case_name(decision)]
-    table, entry = decision_cache.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
+    case = variants.cases_for(launch, failing)[recall.case_name(decision)]
+    table, entry = recall.entry_of(decision, case, f"{gpu.name} (smemguard check)", error)
     return table, decision_cache.case_id(case), entry
 
 

@@ -51,7 +51,6 @@ from typing import Any
 
 from ..facts import files, process, untrusted
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
-from ..kernels import introspect
 from . import incidents, tile_entries
 from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
 
@@ -402,74 +401,9 @@ def store(directory: Path | None) -> Store | None:
 
 
 # -- Encoding: a recovery decision as a stored entry -------------------------------------------
-# A case is identified by what was compiled and where: kernel, source, Triton, arch, enforced
-# limit, the variant (``compile``, ``config``), and the tuning key too (``launch``).
-
-#: The table each case of :func:`cases_for` is stored in.
-TABLES = {"compile": "compile", "config": "launch", "launch": "launch"}
-
-#: Options that name files on the host (libdevice's path), not what is compiled.
-_HOST_OPTIONS = ("extern_libs",)
-
-
-def variant_id(source, options: dict) -> str:
-    """What Triton compiles, however the launch spelled it: the hash of its ``ASTSource`` (the
-    kernel's source and the functions it calls, signature, constants, attributes) and its parsed
-    options (Triton's ``options.__dict__``, or the same fields of a compiled kernel's metadata)."""
-    kept = {name: value for name, value in options.items() if name not in _HOST_OPTIONS}
-    text = json.dumps([source.hash(), kept], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def compiled_variant_id(kernel) -> str:
-    """:func:`variant_id` of a compiled kernel: its source, and its metadata's option fields."""
-    from triton.compiler.compiler import make_backend
-
-    metadata = kernel.metadata._asdict()
-    fields = make_backend(kernel.metadata.target).parse_options({}).__dict__
-    return variant_id(kernel.src, {name: metadata[name] for name in fields if name in metadata})
-
-
-def on_device(device: int) -> dict:
-    """The fields that key a case to ``device`` as it is now: the Triton release, its arch, and the limit
-    enforced there (the emulated one under ``SMEMGUARD_MAX_SHARED``)."""
-    from triton.runtime import driver
-
-    return {"triton": process.triton_version(), "arch": driver.active.get_current_target().arch,
-            "limit": process.effective_limit(device)}
-
-
-def device_case(jit, variant: str, device: int) -> dict:
-    """What identifies the compiled ``variant`` (:func:`variant_id`) of ``jit`` on ``device`` to other processes."""
-    return {"kernel": introspect.kernel_name(jit), "source_hash": introspect.source_hash(jit), **on_device(device),
-            "variant": variant}
-
-
-def gpu_label(device: int) -> str:
-    """The GPU an entry was decided on, for people (torch's name, else backend and arch)."""
-    from triton.runtime import driver
-
-    target = driver.active.get_current_target()
-    return process.gpu_name(device) or f"{target.backend}:{target.arch}"
-
-
-def cases_for(launch, failing) -> dict:
-    """{"compile": case, "config": case, "launch": case} identifying this failure to other processes
-    (see :data:`TABLES` and :func:`case_name`)."""
-    case = device_case(launch.jit, compiled_variant_id(failing), process.current_device())
-    return {"compile": case, "config": case, "launch": {**case, "tuning_key": repr(launch.tuning_key)}}
-
-
 def provenance() -> dict:
     """Where and when an entry was stored (for people reading the file; never part of a key)."""
     return {"time": time.time(), "host": incidents.host(), "pid": os.getpid()}
-
-
-def case_name(decision) -> str:
-    """Which case of :func:`cases_for` stores ``decision``."""
-    if decision.options is not None:
-        return "compile"
-    return "config" if decision.action == CONFIG_CHANGED else "launch"
 
 
 def new_entry(case: dict, *, action: str, final: str | None, from_config: str, gpu: str, resource: str,
@@ -480,20 +414,3 @@ def new_entry(case: dict, *, action: str, final: str | None, from_config: str, g
     fields, which come last (torch.compile's ``config`` is the variant's, its case's the failing one's)."""
     return {**case, "action": action, "final": final, "from_config": from_config, "gpu": gpu, "resource": resource,
             "required": required, **provenance(), **own}
-
-
-def entry_of(decision, case: dict, gpu: str, error) -> tuple[str, dict]:
-    """(the table, the entry) that stores ``decision`` for ``case``, decided on ``gpu`` (:func:`gpu_label`)
-    about ``error``."""
-    own: dict[str, Any] = {}
-    if decision.options is not None:
-        own["options"] = decision.options
-    else:
-        if decision.config is not None:
-            own["config"] = introspect.config_fields(decision.config)
-        if decision.fallback is not None:
-            own["fallback"] = introspect.callable_name(decision.fallback)
-        own["reason"] = decision.reason
-    return TABLES[case_name(decision)], new_entry(
-        case, action=decision.action, final=decision.final, from_config=decision.attempts[0].config, gpu=gpu,
-        resource=error.name, required=error.required, **own)
