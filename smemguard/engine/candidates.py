@@ -45,3 +45,40 @@ def next_stage_count(previous: tuple[int, int], stages: int, shared: int, limit:
         return None
     predicted = min(stages - 1, stages - math.ceil((shared - limit) / per_stage))
     return max(predicted, 1) if stages > 1 else 0
+
+class FewerStages:
+    """The one search for fewer stages, every path's: the stage counts to compile below a kernel that needs
+    ``required`` bytes at ``stages`` over ``limit``, most stages first. ``first`` is the first count to try (one
+    fewer by default; the ladder predicts it from its calibrated estimate); after it, the count the bytes one stage
+    was measured to cost predict to fit (:func:`next_stage_count`), one fewer again while a compile still overflows
+    or did not compile. The caller compiles each count it is given and tells :meth:`measured` what it needs; the
+    search ends when a count fits, at one stage, or when fewer stages saved nothing (:attr:`inert`: no count will
+    fit)."""
+
+    def __init__(self, stages: int, required: int, limit: int, first: int | None = None):
+        self.limit = limit
+        self.previous = (stages, required)
+        self.count = stages - 1 if first is None else first
+        self.inert = False  # fewer stages measured no fewer bytes: (stages, bytes) before and after
+        self.done = False
+
+    def __iter__(self) -> Iterator[int]:
+        while not self.done and self.count >= 1:
+            count = self.count
+            yield count
+            if self.count == count and not self.done:  # the caller told nothing: try one fewer
+                self.count -= 1
+
+    def measured(self, count: int, shared: int | None) -> None:
+        """``count`` stages needed ``shared`` bytes (None: the compile failed, one fewer is tried next)."""
+        if shared is None:
+            self.count = count - 1
+        elif shared <= self.limit:
+            self.done = True
+        else:
+            following = next_stage_count(self.previous, count, shared, self.limit)
+            if following is None:
+                self.inert, self.done = (self.previous, (count, shared)), True
+            else:
+                self.previous, self.count = (count, shared), following
+

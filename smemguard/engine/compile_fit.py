@@ -61,7 +61,7 @@ from ..facts import process
 from ..kernels import introspect, recorded, variants
 from ..store import decision_cache, incidents
 from ..store.decision import AUTOTUNE_SKIPPED, CONFIG_CHANGED, SHARED, STAGES_REDUCED
-from .candidates import next_stage_count
+from .candidates import FewerStages
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
@@ -290,20 +290,16 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
 
 
 def _fewer_stages(compile_at, stages: int, required: int, limit: int):
-    """The kernel at the most stages below ``stages`` that fit ``limit``: one stage fewer first, then the
-    count the bytes per stage predict (checked by compiling; one fewer again while it still overflows)."""
-    count, previous = stages - 1, (stages, required)
-    while count >= 1:
+    """The kernel at the most stages below ``stages`` that fit ``limit`` (:class:`~.candidates.FewerStages`), or
+    None (a count that cannot be compiled ends it: its pipeline depth is a parameter the kernel computes with)."""
+    search = FewerStages(stages, required, limit)
+    for count in search:
         compiled = compile_at(count)
         if compiled is None:
             return None
-        shared = compiled.metadata.shared
-        if shared <= limit:
+        search.measured(count, compiled.metadata.shared)
+        if search.done and not search.inert:
             return compiled
-        following = next_stage_count(previous, count, shared, limit)
-        if following is None:  # fewer stages saved nothing: no count will fit
-            return None
-        previous, count = (count, shared), following
     return None
 
 

@@ -43,7 +43,7 @@ from ..kernels import estimate, introspect, parameters, registry
 from ..kernels.launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from . import reasons
-from .candidates import MAX_CANDIDATES, fewer_warps, next_stage_count, variant
+from .candidates import MAX_CANDIDATES, FewerStages, fewer_warps, variant
 
 log = logging.getLogger(__name__)
 
@@ -163,29 +163,29 @@ def _option_attempts(launch: Launch, failing, error, measured: _Measured, budget
         measured.skipped.append(f"num_stages={counts}: at least {bound} B, "
                                 "one stage of its tiles (calibrated estimate)")
         return
-    stages = last_stages - 1
+    first = last_stages - 1
     per_stage = measured.stage_bytes(_constexprs(launch), last_stages, failing.metadata.num_warps, last_bytes)
-    if per_stage and stages >= 1:
-        stages = max(1, min(stages, last_stages - math.ceil((last_bytes - measured.limit) / per_stage)))
-    while stages >= 1 and budget > 0:
+    if per_stage and first >= 1:
+        first = max(1, min(first, last_stages - math.ceil((last_bytes - measured.limit) / per_stage)))
+    search = FewerStages(last_stages, last_bytes, measured.limit, first=first)
+    for stages in search:
+        if budget <= 0:
+            return
         budget -= 1
         kernel, attempt = try_compile(launch, f"num_stages={stages}", num_stages=stages)
         yield "num_stages", stages, kernel, attempt
-        if attempt.fits or attempt.required is None:
-            if attempt.fits:
-                return
-            stages -= 1
-            continue
-        measured.overflowing.append((_constexprs(launch), stages))
-        following = next_stage_count((last_stages, last_bytes), stages, attempt.required, measured.limit)
-        if following is None:
-            measured.stages_inert = (f"fewer stages did not lower the shared memory ({last_bytes} B at "
-                                     f"{last_stages} stages, {attempt.required} B at {stages})")
-            fixed = parameters.knobs_of(launch.jit).fixed_text()
-            if fixed:
-                measured.stages_inert += f"; loops that set their own num_stages: {fixed}"
+        if attempt.fits:
             return
-        last_stages, last_bytes, stages = stages, attempt.required, following
+        if attempt.required is not None:
+            measured.overflowing.append((_constexprs(launch), stages))
+        search.measured(stages, attempt.required)
+    if search.inert:
+        (before, before_bytes), (after, after_bytes) = search.inert
+        measured.stages_inert = (f"fewer stages did not lower the shared memory ({before_bytes} B at "
+                                 f"{before} stages, {after_bytes} B at {after})")
+        fixed = parameters.knobs_of(launch.jit).fixed_text()
+        if fixed:
+            measured.stages_inert += f"; loops that set their own num_stages: {fixed}"
 
 
 def _launch_as_config(launch: Launch, failing):
