@@ -308,3 +308,22 @@ def test_decision_files_are_strict_json_of_schema_1(tmp_path, capsys, text, why)
     [line] = capsys.readouterr().err.strip().splitlines()
     assert why in line and "nothing imported" in line
     assert not (tmp_path / "cache" / decision_cache.FILE_NAME).exists()
+
+
+def test_a_link_named_as_decisions_lock_is_never_followed(tmp_path, capsys, caplog):
+    """Issue 45: opening a link named as ``decisions.lock`` would create its target (as root: an empty file
+    anywhere). A serving process gets one warning and keeps the decision in memory; ``cache import`` one line."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    (cache / decision_cache.LOCK_NAME).symlink_to(target)
+    key, value = next(iter(DECISIONS["compile"].items()))
+    with caplog.at_level("WARNING", logger="smemguard"):
+        assert decision_cache.Store(cache).put("compile", key, value) is value
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "decisions.lock is a symbolic link" in warning and "decisions stay in this process" in warning
+    source = tmp_path / "fleet.json"
+    source.write_text(json.dumps(DECISIONS))
+    assert commands.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
+    assert "decisions.lock is a symbolic link" in one_line(capsys.readouterr().err)
+    assert not target.exists() and not (cache / decision_cache.FILE_NAME).exists()

@@ -49,13 +49,21 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+#: Added to the flags of an open that must not go through a symbolic link named as the file.
+_NO_LINK = getattr(os, "O_NOFOLLOW", 0)
+
+
 def _opened(path: Path, flags: int, mode: int = 0o644) -> int:
-    """A descriptor of ``path`` opened without blocking; Refused unless it is a regular file."""
+    """A descriptor of ``path`` opened without blocking; Refused unless it is a regular file (and, with
+    :data:`_NO_LINK` in ``flags``, unless ``path`` itself is one, not a symbolic link)."""
     try:
         descriptor = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0), mode)
     except OSError as error:
         if error.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
             raise Refused(errno.EINVAL, f"{path} is a FIFO (named pipe), not a regular file") from None
+        if error.errno == errno.ELOOP and flags & _NO_LINK:
+            raise Refused(errno.ELOOP, f"{path} is a symbolic link; smemguard opens only the file it names, never "
+                                       "one a link points to") from None
         raise
     try:
         status = os.fstat(descriptor)
@@ -68,27 +76,22 @@ def _opened(path: Path, flags: int, mode: int = 0o644) -> int:
         raise
 
 
-def open_read(path: Path):
-    """``path`` opened for reading in binary, regular files only (OSError, Refused otherwise)."""
-    return os.fdopen(_opened(path, os.O_RDONLY), "rb")
+def open_read(path: Path, follow_links: bool = True):
+    """``path`` opened for reading in binary, regular files only (OSError, Refused otherwise); without
+    ``follow_links``, a symbolic link named as the file is Refused, its target never read."""
+    return os.fdopen(_opened(path, os.O_RDONLY | (0 if follow_links else _NO_LINK)), "rb")
 
 
 def open_append(path: Path):
     """``path`` opened for appending text (created when missing), regular files only, never through a symbolic
     link: a link named as the file would make smemguard append to (or create) a file the user did not name."""
-    try:
-        descriptor = _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as error:
-        if error.errno == errno.ELOOP and not isinstance(error, Refused):
-            raise Refused(errno.ELOOP, f"{path} is a symbolic link; smemguard appends only to the file it names, "
-                                       "never through a link") from None
-        raise
-    return os.fdopen(descriptor, "a", encoding="utf-8")
+    return os.fdopen(_opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_LINK), "a", encoding="utf-8")
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """The contents of regular file ``path``; Refused when it holds more than ``limit`` bytes."""
-    with open_read(path) as handle:
+def read_bytes(path: Path, limit: int, follow_links: bool = True) -> bytes:
+    """The contents of regular file ``path``; Refused when it holds more than ``limit`` bytes (or, without
+    ``follow_links``, when it is a symbolic link)."""
+    with open_read(path, follow_links) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise Refused(errno.EFBIG, f"{path} is larger than {_size(limit)}, more than such a file can hold")
@@ -145,7 +148,8 @@ def exclusive(lock_path: Path) -> Iterator[None]:
     """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block. Writers hold it for
     milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Refused, so
     that no command and no serving process ever waits on it for ever."""
-    descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+    # Never through a link: opening one named as the lock would create its target (as root: a file anywhere).
+    descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT | _NO_LINK, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
