@@ -327,3 +327,41 @@ def test_a_link_named_as_decisions_lock_is_never_followed(tmp_path, capsys, capl
     assert commands.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
     assert "decisions.lock is a symbolic link" in one_line(capsys.readouterr().err)
     assert not target.exists() and not (cache / decision_cache.FILE_NAME).exists()
+
+
+def test_a_record_cut_short_by_a_full_disk_is_taken_back(tmp_path):
+    """Issue 45: a real short write (the kernel's, under RLIMIT_FSIZE: writes up to the limit, then fails, as a disk
+    that fills does; SIGXFSZ ignored so that the write fails instead of the process) leaves no fragment: the next
+    record, of any process, is whole."""
+    log = tmp_path / "incidents.jsonl"
+    earlier = json.dumps({"id": "earlier"}) + "\n"
+    log.write_text(earlier)
+    result = run_python(f"""
+        import resource, signal
+        from pathlib import Path
+        from smemguard.store import incidents
+        log = Path({str(log)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (log.stat().st_size + 100, resource.RLIM_INFINITY))
+        print(incidents.write({{"kernel": "m:k", "pad": "x" * 100_000}}, log))
+    """)
+    assert result.stdout.split() == ["None"], "not written, and not announced as written"
+    assert "cannot write incident records to" in one_line(result.stderr) and "taken back" in result.stderr
+    assert log.read_text() == earlier, "the part written was taken back"
+    from smemguard.store import incidents
+
+    assert incidents.write({"kernel": "m:next"}, log) is not None
+    assert [json.loads(line).get("kernel") for line in log.read_text().splitlines()] == [None, "m:next"]
+
+
+def test_a_record_after_a_fragment_starts_a_line_of_its_own(tmp_path):
+    """Issue 45: a fragment another writer left (killed mid-write, or an older smemguard on a full disk) ends where
+    the next record starts a new line: that record is read whole."""
+    from smemguard.store import incidents
+
+    log = tmp_path / "incidents.jsonl"
+    log.write_text('{"id": "earlier"}\n{"kernel": "m:cut', encoding="utf-8")
+    where = incidents.write({"kernel": "m:whole"}, log)
+    lines = log.read_text().splitlines()
+    assert lines[:2] == ['{"id": "earlier"}', '{"kernel": "m:cut'] and len(lines) == 3
+    assert where.endswith("#" + json.loads(lines[2])["id"]) and json.loads(lines[2])["kernel"] == "m:whole"

@@ -82,10 +82,32 @@ def open_read(path: Path, follow_links: bool = True):
     return os.fdopen(_opened(path, os.O_RDONLY | (0 if follow_links else _NO_LINK)), "rb")
 
 
-def open_append(path: Path):
-    """``path`` opened for appending text (created when missing), regular files only, never through a symbolic
-    link: a link named as the file would make smemguard append to (or create) a file the user did not name."""
-    return os.fdopen(_opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_LINK), "a", encoding="utf-8")
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` (one record) and a newline to ``path`` (created when missing) in one write, so that writers
+    of other processes never interleave with it. Regular files only, never through a symbolic link: a link named
+    as the file would make smemguard append to (or create) a file the user did not name.
+
+    The line starts a line of its own even after a fragment another writer left (killed mid-write, or out of
+    space); a write cut short (a full disk) is taken back where no other writer appended after it, and raises:
+    the next record, of any process, is never glued to a fragment."""
+    appending = os.O_APPEND | os.O_CREAT | _NO_LINK
+    try:
+        descriptor, readable = _opened(path, os.O_RDWR | appending), True
+    except PermissionError:  # a file this user may write but not read: appended without looking at its end
+        descriptor, readable = _opened(path, os.O_WRONLY | appending), False
+    try:
+        size = os.fstat(descriptor).st_size
+        after_fragment = readable and size and os.pread(descriptor, 1, size - 1) != b"\n"
+        data = (b"\n" if after_fragment else b"") + line.encode() + b"\n"
+        written = os.write(descriptor, data)
+        if written < len(data):
+            end = os.lseek(descriptor, 0, os.SEEK_CUR)  # O_APPEND: where this write ended
+            if os.fstat(descriptor).st_size == end:
+                os.ftruncate(descriptor, end - written)
+            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes could be written (a full disk or a "
+                                        "file size limit); the part written was taken back")
+    finally:
+        os.close(descriptor)
 
 
 def read_bytes(path: Path, limit: int, follow_links: bool = True) -> bytes:
