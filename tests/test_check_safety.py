@@ -30,11 +30,11 @@ IN_WORKER_ONLY = "import multiprocessing\nif multiprocessing.parent_process() is
 several_cpus = pytest.mark.skipif(check.usable_cpus() < 2, reason="compile workers need --jobs 2, 2 CPUs")
 
 
-def check_process(argv, cwd, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+def check_process(argv, cwd, timeout=120, env=None) -> tuple[subprocess.CompletedProcess, float]:
     """``smemguard check ARGV`` in a process of its own (an import that never ends, or ends the process, must not
-    take pytest's along); the result and its seconds."""
+    take pytest's along), with ``env`` over the environment; the result and its seconds."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
-           "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)])}
+           "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]), **(env or {})}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "smemguard.cli", "check", *argv], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=cwd)
@@ -231,3 +231,15 @@ def test_a_helper_its_kernels_call_is_not_warned_about_but_an_uncalled_kernel_is
     assert done.stderr.splitlines() == ["smemguard check: skipping helpers:alone: a plain @triton.jit kernel whose "
                                         "constexprs have no default (name it as module:kernel with --meta to check "
                                         "it)"]
+
+
+def test_check_creates_the_cache_directories_it_needs_for_their_owner_only(tmp_path):
+    """Issue 45: the default cache and each parent it lacks (``~/.cache`` itself on a new host) are made with mode
+    700, as README says of the cache, not the umask's 755."""
+    (tmp_path / "kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    home_cache = tmp_path / "home" / ".cache"
+    done, _ = check_process(["kernels.py:copy", "--gpu", "L4", "--quiet", "--jobs", "1"], tmp_path,
+                            env={"XDG_CACHE_HOME": str(home_cache)})
+    assert done.returncode == 0, done.stderr
+    made = [home_cache.parent, home_cache, home_cache / "smemguard", home_cache / "smemguard" / "preflight"]
+    assert [oct(path.stat().st_mode & 0o777) for path in made] == [oct(0o700)] * 4

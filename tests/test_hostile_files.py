@@ -365,3 +365,35 @@ def test_a_record_after_a_fragment_starts_a_line_of_its_own(tmp_path):
     lines = log.read_text().splitlines()
     assert lines[:2] == ['{"id": "earlier"}', '{"kernel": "m:cut'] and len(lines) == 3
     assert where.endswith("#" + json.loads(lines[2])["id"]) and json.loads(lines[2])["kernel"] == "m:whole"
+
+
+def test_a_lock_held_too_long_once_leaves_the_decision_cache_on(tmp_path, monkeypatch, caplog):
+    """Issue 45: one wait for ``decisions.lock`` that runs out keeps the decision in memory (one warning) but does
+    not switch the cache off: while the lock stays held, a miss only tries it (no second wait); once it is free, the
+    next miss reads what other processes stored meanwhile, and a new decision is stored."""
+    import fcntl
+    import time
+
+    from smemguard.facts import files
+
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.3)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    first, later, own = ({**ENTRY, "final": name} for name in ("first", "later", "own"))
+    store = decision_cache.Store(cache)
+    with open(cache / decision_cache.LOCK_NAME, "w") as held, caplog.at_level("WARNING", logger="smemguard"):
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert store.put("compile", "first", first) is first
+        started = time.monotonic()
+        assert store.put("compile", "own", own) is own and store.get("compile", "later") is None
+        assert time.monotonic() - started < 0.25, "while it stays held, a miss tries the lock, never waits again"
+    run_python(f"""
+        from pathlib import Path
+        from smemguard.store import decision_cache
+        decision_cache.Store(Path({str(cache)!r})).put("compile", "later", {later!r})
+    """)
+    assert store.get("compile", "later") == later, "read once the lock is free"
+    assert store.put("compile", "own again", own) is own
+    assert set(json.loads((cache / decision_cache.FILE_NAME).read_text())["compile"]) == {"later", "own again"}
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "decisions.lock has been held by another process for over 0.3 s" in warning

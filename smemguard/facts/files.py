@@ -157,32 +157,49 @@ def check_trusted(*paths: Path) -> None:
 
 
 def make_directory(path: Path) -> None:
-    """Create ``path`` (and its parents) for smemguard's own files, readable by its owner only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and each missing parent for smemguard's own files, readable by their owner only (``mkdir``'s
+    ``parents=True`` would give the parents the umask's mode, mostly 755)."""
+    if not path.parent.is_dir() and path.parent != path:
+        make_directory(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)
 
 
 #: The longest smemguard waits for a host-wide lock another process holds.
 LOCK_WAIT_S = 10.0
+#: After a wait for a lock ran out, that lock is only tried (never waited on) for a pause of :data:`LOCK_WAIT_S`,
+#: doubled at each wait that runs out, up to this: a process meeting a lock held for ever waits 10 s at most every
+#: 10 minutes, and takes the lock at its first try once it is free.
+LOCK_PAUSE_MAX_S = 600.0
+_paused: dict[Path, tuple[float, float]] = {}  # lock -> (when it may be waited on again, the next pause)
+
+
+class Busy(Refused):
+    """A host-wide lock another process has held for over :data:`LOCK_WAIT_S` (or held a moment ago, and still does)."""
 
 
 @contextlib.contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block. Writers hold it for
-    milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Refused, so
-    that no command and no serving process ever waits on it for ever."""
+    milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Busy, so
+    that no command and no serving process ever waits on it for ever (nor for long again: :data:`LOCK_PAUSE_MAX_S`)."""
     # Never through a link: opening one named as the lock would create its target (as root: a file anywhere).
     descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT | _NO_LINK, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
+        resume, pause = _paused.get(lock_path, (0.0, LOCK_WAIT_S))
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Refused(errno.ETIMEDOUT, f"{lock_path} has been held by another process for over "
-                                                   f"{LOCK_WAIT_S:g} s") from None
+                now = time.monotonic()
+                if now >= deadline or now < resume:
+                    if now >= resume:
+                        _paused[lock_path] = (now + pause, min(2 * pause, LOCK_PAUSE_MAX_S))
+                    raise Busy(errno.ETIMEDOUT, f"{lock_path} has been held by another process for over "
+                                                f"{LOCK_WAIT_S:g} s") from None
                 time.sleep(0.01)
+        _paused.pop(lock_path, None)
         yield
     finally:
         os.close(descriptor)  # closing releases the lock
