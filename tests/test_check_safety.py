@@ -243,3 +243,30 @@ def test_check_creates_the_cache_directories_it_needs_for_their_owner_only(tmp_p
     assert done.returncode == 0, done.stderr
     made = [home_cache.parent, home_cache, home_cache / "smemguard", home_cache / "smemguard" / "preflight"]
     assert [oct(path.stat().st_mode & 0o777) for path in made] == [oct(0o700)] * 4
+
+
+def test_check_does_not_trust_results_cached_where_others_can_write(tmp_path):
+    """Issue 45: results rewritten to ``{"shared": 1}`` in a cache directory others can write turned "163840 OVER"
+    (exit 1) into "fits" (exit 0): a deploy gate passed. The decision file's rule applies: one line, and every
+    config is compiled (nothing read from there, nothing written)."""
+    cache = tmp_path / "cache"
+    argv = ["smemguard.examples:attention_fwd", "--meta", "BLOCK_M=128,BLOCK_N=128,num_warps=8,num_stages=3",
+            "--gpu", "L4", "--quiet", "--jobs", "1"]
+    env = {"SMEMGUARD_CACHE_DIR": str(cache)}
+    done, _ = check_process(argv, tmp_path, env=env)
+    assert done.returncode == 1 and "163840 OVER" in done.stdout, done.stderr
+    results = list((cache / "preflight").glob("*/*.json"))
+    assert results
+    for result in results:
+        result.write_text(json.dumps({"shared": 1, "error": None}))
+    os.chmod(cache, 0o777)
+    done, _ = check_process(argv, tmp_path, env=env)
+    assert done.returncode == 1 and "163840 OVER" in done.stdout, done.stdout
+    [line] = done.stderr.splitlines()
+    assert line == (f"smemguard check: not using cached results: {cache} can be written by others (mode 777); fix: "
+                    f"chmod go-w {cache}; every config is compiled")
+    assert all(json.loads(result.read_text())["shared"] == 1 for result in results), "nothing written there"
+    os.chmod(cache, 0o700)
+    os.chmod(results[0], 0o666)
+    done, _ = check_process([*argv, "--json"], tmp_path, env=env)
+    assert done.returncode == 1 and json.loads(done.stdout)["verdicts"]["measured"] >= 1, "a writable result: compiled"

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..facts import gpus
+from ..facts import gpus, untrusted
 
 if TYPE_CHECKING:
     from ..preflight import Progress, Report
@@ -377,6 +377,9 @@ def _checked(args) -> Report | None:
                   f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with {jobs} processes",
                   file=sys.stderr, flush=True)
         cache = ResultCache(None) if args.no_cache else preflight.default_cache()
+        if cache.refused:
+            print(f"smemguard check: not using cached results: {untrusted.printable(cache.refused)}; every config is "
+                  "compiled", file=sys.stderr, flush=True)
         report = check(kernels, gpu_list, exact=args.exact, jobs=jobs, cache=cache,
                        progress=None if args.quiet else _progress_printer(), import_timeout=args.timeout)
     except TargetError as error:
@@ -411,8 +414,6 @@ def _stdout_to_stderr():
 
 def _unwritable(path: Path) -> str | None:
     """Why ``--decisions`` cannot be written (said before anything is checked), or None."""
-    from ..facts import untrusted
-
     shown = untrusted.printable(str(path))
     if path.is_dir():
         return f"{shown} is a directory; name a file in it"
@@ -429,7 +430,7 @@ def _unwritable(path: Path) -> str | None:
 def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
     """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
     the file could not be written."""
-    from ..facts import files, untrusted
+    from ..facts import files
     from ..preflight.decide import decide
 
     found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
