@@ -360,6 +360,7 @@ def _checked(args) -> Report | None:
     """The check's report (running the target's code), or None once one line on stderr has said why none."""
     from .. import preflight
     from ..preflight import ResultCache, TargetError, check, discover
+    from ..preflight.discovery import files_read
 
     refusal = args.decisions and _unwritable(args.decisions)
     if refusal:
@@ -371,6 +372,8 @@ def _checked(args) -> Report | None:
         jobs = _jobs(args.jobs)
         kernels = discover(args.targets, examples=args.examples, overrides=overrides, import_timeout=args.timeout)
         _refuse_unknown_meta(kernels, overrides.get("configs", []), gpu_list)
+        if args.decisions:
+            _refuse_an_input(args.decisions, files_read(kernels))
         if not args.quiet:
             variants = sum(len(kernel.variants) for kernel in kernels)
             print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
@@ -427,23 +430,57 @@ def _unwritable(path: Path) -> str | None:
     return None
 
 
+def _refuse_an_input(path: Path, read: set[str]) -> None:
+    """TargetError when ``--decisions`` names a file the check has read: writing would replace a kernel's source."""
+    from ..preflight import TargetError
+
+    try:
+        written = os.stat(path)
+    except OSError:  # not there yet: no input
+        return
+    for source in read:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(written, os.stat(source)):
+                raise TargetError(f"--decisions {untrusted.printable(str(path))} is {untrusted.printable(source)}, a "
+                                  "file this check read (a kernel's source, a module it imported): name another "
+                                  "file; nothing checked")
+
+
+def _live_store(path: Path):
+    """The decision store of ``SMEMGUARD_CACHE_DIR`` when ``path`` is its file (the live decisions), else None."""
+    from ..facts import settings
+    from ..store import decision_cache
+
+    current = settings.current()
+    if current.cache_dir is None or current.ignored(settings.CACHE_DIR):
+        return None
+    store = decision_cache.Store(current.cache_dir)
+    return store if os.path.realpath(path) == os.path.realpath(store.path) else None
+
+
 def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
     """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
-    the file could not be written."""
+    the file could not be written. The host's own decision file is not replaced but merged into under its lock,
+    as 'cache import' does: no decision already there is lost, and it stays its owner's only."""
     from ..facts import files
     from ..preflight.decide import decide
 
     found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
                    progress=None if quiet else _show_decided)
+    shown, live = untrusted.printable(str(path)), _live_store(path)
     try:
-        files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
-    except OSError as error:
-        print(f"smemguard check: cannot write --decisions {untrusted.printable(str(path))} "
-              f"({error.strerror or error}); nothing written", file=sys.stderr)
+        if live is not None:
+            added, present = live.merge(found.data)
+        else:
+            files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
+    except (OSError, ValueError) as error:  # ValueError: the merged file would be too large
+        print(f"smemguard check: cannot write --decisions {shown} ({getattr(error, 'strerror', None) or error}); "
+              "nothing written", file=sys.stderr)
         return False
     for note in found.notes:
         print(f"smemguard check: no decision for {note}", file=sys.stderr)
-    print(f"smemguard check: wrote {found.entries} decisions to {untrusted.printable(str(path))} for "
-          f"{found.decided} overflowing configs ({len(found.notes)} without one); import them with "
-          f"'smemguard cache import {untrusted.printable(str(path))}'", file=sys.stderr)
+    done = (f"added {added} decisions to this host's decision cache {shown} ({present} already there, kept as they "
+            "were)" if live is not None else f"wrote {found.entries} decisions to {shown}")
+    print(f"smemguard check: {done} for {found.decided} overflowing configs ({len(found.notes)} without one)"
+          + ("" if live is not None else f"; import them with 'smemguard cache import {shown}'"), file=sys.stderr)
     return True
