@@ -282,6 +282,21 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
                     disabled=disabled)
 
 
+def with_absolute_paths(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the settings that name a path (a relative one is relative to each process's working
+    directory) made absolute against this process's, ``~`` expanded: ``smemguard run`` passes them on so, and a
+    child started in another directory writes the same log, cache and metrics. A value that names no path (off,
+    empty, an unknown ``~user``, a control character) is passed on as it is: each process reports it."""
+    made = {}
+    for var in (LOG, CACHE_DIR, METRICS_FILE):
+        value = environ.get(var, "").strip()
+        expanded = os.path.expanduser(value)
+        if value and value.isprintable() and not expanded.startswith("~") and not (var == CACHE_DIR and
+                                                                                    value.lower() == "off"):
+            made[var] = os.path.abspath(expanded)
+    return {**environ, **made}
+
+
 @functools.lru_cache(maxsize=1)
 def current() -> Settings:
     """The process's settings, read from the environment on first use only."""
