@@ -199,3 +199,26 @@ def test_help_names_every_setting(capsys):
         commands.main(["--help"])
     out = capsys.readouterr().out
     assert [name for name in settings.KNOWN if name not in out] == []
+
+
+@pytest.mark.parametrize("argv", [["cache", "show"], ["cache", "show", "--json"], ["report"], ["report", "--json"],
+                                  ["gpus"], ["versions"]])
+def test_every_command_ends_quietly_with_0_when_its_reader_leaves(tmp_path, argv):
+    """Issue 45: ``cache show | head -1`` said "Broken pipe" and exited 2 (its own handling of file errors took the
+    pipe's for one); one mechanism ends every command so, and nothing is said at exit either."""
+    from smemguard.store import decision_cache
+    from test_untrusted_input import DECISIONS, RECORD
+
+    [entry] = list(DECISIONS["compile"].values())[:1]
+    data = {**decision_cache.empty(), "compile": {f"{n:024x}": entry for n in range(3000)}}
+    (tmp_path / "cache").mkdir(mode=0o700)
+    (tmp_path / "cache" / decision_cache.FILE_NAME).write_text(json.dumps(data))
+    (tmp_path / "incidents.jsonl").write_text("\n".join(json.dumps({**RECORD, "kernel": f"m:k{n}"})
+                                                        for n in range(3000)) + "\n")
+    where = ["--dir", str(tmp_path / "cache")] if argv[0] == "cache" else \
+        [str(tmp_path / "incidents.jsonl")] if argv[0] == "report" else []
+    command = " ".join([sys.executable, "-m", "smemguard.cli", *argv, *where])
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command} | head -1"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert len(done.stdout.splitlines()) == 1

@@ -6,13 +6,13 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 from .._version import __version__
 from ..facts import files, gpus, process, untrusted
+from . import stdout
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
@@ -469,15 +469,17 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = settings.load()
     if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
         return 2
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), stdout.until_the_reader_leaves():
         # torch warns at import when NumPy is missing; no command uses NumPy. The filter ends with the command.
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
         try:
-            return args.run(args)
+            status = args.run(args)
+            sys.stdout.flush()  # a reader that left is seen here, not at exit
+            return status
         except KeyboardInterrupt:
             print(f"smemguard {args.command}: interrupted", file=sys.stderr)
             return 130
-        except BrokenPipeError:  # `smemguard report ... | head`: the reader left; nothing more to say
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        except stdout.ReaderLeft:  # `smemguard cache show | head -1`: nothing more to say
+            stdout.discard_the_rest()
             return 0
 
