@@ -1,8 +1,10 @@
 """``smemguard check`` runs the target's code: what it says about that, how long an import may take, what the
 target prints (never on stdout), and the --meta and --jobs values it refuses or lowers (issue 33, items 7-8)."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -270,3 +272,34 @@ def test_check_does_not_trust_results_cached_where_others_can_write(tmp_path):
     os.chmod(results[0], 0o666)
     done, _ = check_process([*argv, "--json"], tmp_path, env=env)
     assert done.returncode == 1 and json.loads(done.stdout)["verdicts"]["measured"] >= 1, "a writable result: compiled"
+
+
+@several_cpus
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_check_ends_its_compile_workers(tmp_path, ending):
+    """Issue 45: SIGTERM or SIGHUP to the check's own pid left its compile workers running for 10 minutes and more,
+    holding its stdout and stderr, so a caller reading them hung. They end with the check, which ends as the
+    signal says."""
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    (tmp_path / "busy_kernels.py").write_text(IN_WORKER_ONLY + f"    import os, pathlib, time\n"
+                                              f"    pathlib.Path({str(workers)!r}, str(os.getpid())).touch()\n"
+                                              "    time.sleep(600)\n" + textwrap.dedent(COPY_KERNEL))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    started = subprocess.Popen([sys.executable, "-m", "smemguard.cli", "check", "busy_kernels.py", "--gpu", "L4",
+                                "--quiet", "--jobs", "2", "--no-cache", "--timeout", "900"], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(workers.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(workers.iterdir()), "a compile worker started"
+        started.send_signal(ending)
+        out, err = started.communicate(timeout=60)  # the pipes end once no process holds them
+        assert started.returncode == -ending and out == ""
+    finally:
+        for pid in (int(path.name) for path in workers.iterdir()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        started.kill()

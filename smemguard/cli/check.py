@@ -339,8 +339,9 @@ def run_check(args) -> int:
     """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
     from .. import preflight
     from ..preflight import format_summary, format_table
+    from ..preflight.compiling import workers_end_with_this_process
 
-    with _stdout_to_stderr():
+    with _stdout_to_stderr(), workers_end_with_this_process():
         report = _checked(args)
     if report is None:
         return 2
