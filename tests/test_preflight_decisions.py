@@ -322,7 +322,8 @@ def test_decisions_into_the_live_decision_file_are_merged_under_its_lock(tmp_pat
     assert stored["compile"][key] == earlier and len(stored["compile"]) > 1, "merged: nothing that was there lost"
     assert oct((cache / decision_cache.FILE_NAME).stat().st_mode & 0o777) == oct(0o600)
     [line] = [line for line in capsys.readouterr().err.splitlines() if "decisions" in line]
-    added = len(stored["compile"]) + len(stored["launch"]) - 1
-    assert line.startswith(f"smemguard check: added {added} decisions to this host's decision cache "
-                           f"{cache / decision_cache.FILE_NAME} (0 already there, kept as they were) for 1 ")
+    assert len(stored["compile"]) + len(stored["launch"]) == 2
+    assert line == (f"smemguard check: added 1 decision to this host's decision cache "
+                    f"{cache / decision_cache.FILE_NAME} (0 already there, kept as they were) for 1 overflowing config "
+                    "(0 without one)")
     assert "cache import" not in line

@@ -159,8 +159,14 @@ def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
 
 
 def _overrides(args, gpu_list: list[gpus.Gpu]) -> dict:
+    from ..kernels.estimate import ELEMENT_BYTES
+    from ..preflight import TargetError
+
     overrides: dict[str, Any] = {}
     if args.dtype:
+        if args.dtype not in ELEMENT_BYTES:  # else every config of every kernel fails to compile, each with a line
+            raise TargetError(f"--dtype {untrusted.printable(args.dtype, 40)}: not an element type; accepted: "
+                              f"{', '.join(ELEMENT_BYTES)}")
         overrides["dtype"] = args.dtype
     if args.sig:
         overrides["signature"] = {name: str(ty) for text in args.sig for name, ty in _key_values(text, "--sig").items()}
@@ -377,7 +383,8 @@ def _checked(args) -> Report | None:
             _refuse_an_input(args.decisions, files_read(kernels))
         if not args.quiet:
             variants = sum(len(kernel.variants) for kernel in kernels)
-            print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
+            print(f"smemguard check: {untrusted.counted(len(kernels), 'kernel')}, "
+                  f"{untrusted.counted(variants, 'config')}, GPUs "
                   f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with {jobs} processes",
                   file=sys.stderr, flush=True)
         cache = ResultCache(None) if args.no_cache else preflight.default_cache()
@@ -480,8 +487,10 @@ def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
         return False
     for note in found.notes:
         print(f"smemguard check: no decision for {note}", file=sys.stderr)
-    done = (f"added {added} decisions to this host's decision cache {shown} ({present} already there, kept as they "
-            "were)" if live is not None else f"wrote {found.entries} decisions to {shown}")
-    print(f"smemguard check: {done} for {found.decided} overflowing configs ({len(found.notes)} without one)"
+    done = (f"added {untrusted.counted(added, 'decision')} to this host's decision cache {shown} ({present} already "
+            "there, kept as they were)" if live is not None else
+            f"wrote {untrusted.counted(found.entries, 'decision')} to {shown}")
+    print(f"smemguard check: {done} for {untrusted.counted(found.decided, 'overflowing config')} "
+          f"({len(found.notes)} without one)"
           + ("" if live is not None else f"; import them with 'smemguard cache import {shown}'"), file=sys.stderr)
     return True

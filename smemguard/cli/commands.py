@@ -156,12 +156,15 @@ def _cache_directory(args) -> tuple[Path | None, str | None]:
     from ..facts.settings import CACHE_DIR, USING_THE_DEFAULT
 
     if args.dir is not None:
-        try:
-            if args.dir.exists() and not args.dir.is_dir():
-                return None, f"--dir {untrusted.printable(str(args.dir))} is a file, not a cache directory"
+        try:  # `--dir=~/x` reaches here unexpanded: the shell expands a ~ only at the start of a word
+            directory = args.dir.expanduser()
+            if directory.exists() and not directory.is_dir():
+                return None, f"--dir {untrusted.printable(str(directory))} is a file, not a cache directory"
+        except RuntimeError:  # ~user, and no such user
+            return None, f"--dir {untrusted.printable(str(args.dir), 80)}: no such user's home directory"
         except OSError as error:  # a name too long for the file system
-            return None, f"--dir {untrusted.printable(str(args.dir))[:80]}: {error.strerror or error}"
-        return args.dir, None
+            return None, f"--dir {untrusted.printable(str(args.dir), 80)}: {error.strerror or error}"
+        return directory, None
     problem = args.settings.problem_of(CACHE_DIR)
     if problem is not None:  # stated here alone: the settings report's "Using the default" is not true of a command
         return None, (f"{problem.removesuffix(USING_THE_DEFAULT)} Nothing was touched: a cache command never "
@@ -180,7 +183,7 @@ def _show(data: dict, path: Path, as_json: bool) -> None:
     elif not entries:
         print(f"no decisions in {untrusted.printable(str(path))}")
     else:
-        print(f"{len(entries)} decisions in {untrusted.printable(str(path))}:")
+        print(f"{untrusted.counted(len(entries), 'decision')} in {untrusted.printable(str(path))}:")
         for entry in entries:
             print("  " + untrusted.printable(_entry_line(entry)))
 
@@ -236,12 +239,13 @@ def _cache(args) -> int:
             else:
                 _export(Path(args.file), json.dumps(data, indent=1, sort_keys=True) + "\n")
                 count = sum(len(data[kind]) for kind in decision_cache.KINDS)
-                print(f"exported {count} decisions from {shown_path} to {untrusted.printable(args.file)}")
+                print(f"exported {untrusted.counted(count, 'decision')} from {shown_path} to "
+                      f"{untrusted.printable(args.file)}")
         elif args.action == "clear":
             if not store.path.exists():
                 print(f"no decisions in {shown_path}: nothing to forget")
             else:
-                print(f"forgot {store.clear()} decisions in {shown_path}")
+                print(f"forgot {untrusted.counted(store.clear(), 'decision')} in {shown_path}")
         else:
             return _import(command, store, Path(args.file))
     except files.Refused as refusal:
@@ -293,7 +297,8 @@ def _import(command: str, store, source: Path) -> int:
         print(f"{command}: not importing {shown_source} into {untrusted.printable(str(store.path))}: {error}; nothing "
               "imported. Fix: 'smemguard cache clear' first, or import into another --dir", file=sys.stderr)
         return 2
-    print(f"imported {added} decisions into {untrusted.printable(str(store.path))} ({present} already there, kept "
+    print(f"imported {untrusted.counted(added, 'decision')} into {untrusted.printable(str(store.path))} ({present} "
+          "already there, kept "
           "as they were)")
     if dropped:
         print(f"{command}: entries of {shown_source} not imported: {len(dropped)}, listed above. Fix: export "
@@ -448,6 +453,10 @@ def _report_settings(settings, stated_by_the_command: tuple[str, ...] = ()) -> b
     return True
 
 
+#: The longest argument a command takes: a path (PATH_MAX on Linux), a list of GPUs, a config.
+MAX_ARGUMENT = 4096
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
@@ -457,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
         from . import run
 
         return run.main(argv[1:])
+    too_long = next((arg for arg in argv if len(arg) > MAX_ARGUMENT), None)
+    if too_long is not None:  # a mistake (a pasted file?), never echoed whole by argparse or a command
+        print(f"smemguard: an argument of {len(too_long)} characters ({untrusted.printable(too_long, 40)}): no path, "
+              f"name or value smemguard takes is longer than {MAX_ARGUMENT}; nothing done", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -102,6 +102,6 @@ def main(argv: list[str]) -> int:
         os.execvpe(command[0], command, environ)
     except OSError as error:  # nothing was replaced: say why as a shell would
         not_found = isinstance(error, FileNotFoundError)
-        print(f"smemguard run: {untrusted.printable(command[0]) or repr('')}: "
+        print(f"smemguard run: {untrusted.printable(command[0], 200) or repr('')}: "
               f"{'command not found' if not_found else error.strerror or error}", file=sys.stderr)
         return 127 if not_found else 126
