@@ -2,6 +2,7 @@
 target prints (never on stdout), and the --meta and --jobs values it refuses or lowers (issue 33, items 7-8)."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -303,3 +304,13 @@ def test_a_signal_to_the_check_ends_its_compile_workers(tmp_path, ending):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         started.kill()
+
+
+@several_cpus
+@pytest.mark.skipif(importlib.util.find_spec("numpy") is not None, reason="torch warns of NumPy only without it")
+def test_the_check_and_its_compile_workers_leave_torchs_numpy_warning_unsaid(tmp_path):
+    """Issue 45: the check imports the target (here and in each compile worker) on its own account, and torch
+    warned in each that NumPy is missing, which no check uses."""
+    (tmp_path / "torch_kernels.py").write_text("import torch\n" + textwrap.dedent(COPY_KERNEL))
+    done, _ = check_process(["torch_kernels.py", "--gpu", "L4", "--quiet", "--jobs", "2", "--no-cache"], tmp_path)
+    assert done.returncode == 0 and "NumPy" not in done.stderr, done.stderr

@@ -308,3 +308,25 @@ def test_relative_paths_are_made_absolute_once_for_every_process(tmp_path):
     assert seen == [str(here / "incidents.jsonl"), str(here / "cache"), str(here / "m.prom")], "the same files"
     environ = {"SMEMGUARD_CACHE_DIR": "off", "SMEMGUARD_LOG": "~no-such-user-here/x.jsonl"}
     assert settings.with_absolute_paths(environ) == environ
+
+
+def test_warnings_smemguard_causes_are_left_unsaid_and_the_programs_own_are_not(tmp_path, triton_cache):
+    """Issue 45: Triton 3.9 warned of its fp-fusion default because smemguard's recovery asked for the options'
+    names, in a program that named fusion in its launch; that warning is left unsaid, the program's own stay."""
+    program = script(tmp_path, """
+        import sys, warnings
+        import torch
+        from kernels import matmul_args, matmul_kernel
+        from smemguard.testing import fake_gpu
+
+        a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+        with fake_gpu("L4", max_shared=40000, cache_dir=sys.argv[1]):
+            compiled = matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4,
+                                             enable_fp_fusion=True)
+        warnings.warn("the program's own warning")
+        print(compiled.metadata.num_stages)
+    """)
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), "SMEMGUARD_CACHE_DIR": "off"}
+    status, out, err = finished(smemguard_run(sys.executable, program, triton_cache, env=env, **PIPES))
+    assert (status, out.split()) == (0, ["3"]), err
+    assert "UserWarning: the program's own warning" in err and "TRITON_DEFAULT_FP_FUSION" not in err, err

@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import json
 import sys
-import warnings
 from pathlib import Path
 
 from .._version import __version__
@@ -142,8 +141,7 @@ def _replay(args) -> int:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2
     try:
-        with process.quiet_triton():
-            return replay.replay(found.fields, limit, print)
+        return replay.replay(found.fields, limit, print)
     except replay.ReplayError as error:
         print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
         print("smemguard replay: fix: replay another record (--index N, --kernel TEXT), or correct that line",
@@ -483,9 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = settings.load()
     if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
         return 2
-    with warnings.catch_warnings(), stdout.until_the_reader_leaves():
-        # torch warns at import when NumPy is missing; no command uses NumPy. The filter ends with the command.
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
+    with process.quiet_warnings(), stdout.until_the_reader_leaves():  # what the command imports and compiles
         try:
             status = args.run(args)
             sys.stdout.flush()  # a reader that left is seen here, not at exit

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._version import __version__
-from ..facts import files, gpus, process, untrusted
+from ..facts import files, gpus, untrusted
 
 
 def _step(text: str) -> float:
@@ -82,11 +82,6 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
 
 def run(gpu_name: str, settings) -> int:
     """``smemguard demo --gpu GPU_NAME`` under ``settings``; returns the exit status."""
-    with process.quiet_triton():
-        return _run(gpu_name, settings)
-
-
-def _run(gpu_name: str, settings) -> int:
     gpu = gpus.lookup(gpu_name)
     problem = _why_no_demo(gpu_name, gpu)
     if problem is not None:

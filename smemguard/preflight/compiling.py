@@ -239,7 +239,7 @@ def cache_key(jit, request: CompileRequest) -> str:
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
     backend = _backend(request.arch)
-    with process.quiet_triton():
+    with process.quiet_warnings():
         options = backend.parse_options(dict(request.options))
     env = sorted(get_cache_invalidating_env_vars().items())
     triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
@@ -252,7 +252,7 @@ def compile_request(jit, request: CompileRequest) -> dict:
     started = time.perf_counter()
     try:
         # A failing pass may print a reproducer on stdout; stdout may be --json.
-        with process.quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
+        with process.quiet_warnings(), contextlib.redirect_stdout(io.StringIO()):
             shared = shared_memory(_source(jit, request), request.arch, request.options)
         return {"shared": shared, "error": None, "seconds": time.perf_counter() - started}
     except Exception as error:  # CompilationError, assertion in a pass: the config does not compile
@@ -303,7 +303,8 @@ def _start_worker(import_timeout: float | None) -> None:
 
 def _compile_in_worker(request: CompileRequest) -> dict:
     if request.locator not in _worker_jits:
-        _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
+        with process.quiet_warnings():  # this process imports the target on smemguard's account
+            _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
     return compile_request(_worker_jits[request.locator], request)
 
 
