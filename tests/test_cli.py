@@ -222,6 +222,9 @@ def test_every_command_ends_quietly_with_0_when_its_reader_leaves(tmp_path, argv
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
     assert len(done.stdout.splitlines()) == 1
+    closed = subprocess.run(["bash", "-c", f"{command} >&-"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (closed.returncode, closed.stderr) == (0, ""), "a closed stdout: nothing to write to, nothing said"
 
 
 def test_cache_dir_expands_a_tilde_the_shell_left(tmp_path, monkeypatch, capsys):

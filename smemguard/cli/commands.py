@@ -481,15 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = settings.load()
     if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
         return 2
-    with process.quiet_warnings(), stdout.until_the_reader_leaves():  # what the command imports and compiles
-        try:
-            status = args.run(args)
-            sys.stdout.flush()  # a reader that left is seen here, not at exit
-            return status
-        except KeyboardInterrupt:
-            print(f"smemguard {args.command}: interrupted", file=sys.stderr)
-            return 130
-        except stdout.ReaderLeft:  # `smemguard cache show | head -1`: nothing more to say
-            stdout.discard_the_rest()
-            return 0
+    try:
+        with process.quiet_warnings(), stdout.until_the_reader_leaves():  # what the command imports and compiles
+            return args.run(args)
+    except KeyboardInterrupt:
+        print(f"smemguard {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except stdout.ReaderLeft:  # `smemguard cache show | head -1`: nothing more to say
+        stdout.discard_the_rest()
+        return 0
 

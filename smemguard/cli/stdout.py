@@ -37,15 +37,19 @@ class _Stdout:
 
 @contextlib.contextmanager
 def until_the_reader_leaves():
-    """While a command runs, its stdout raises :class:`ReaderLeft` once its reader left."""
+    """While a command runs, its stdout raises :class:`ReaderLeft` once its reader left; so does the flush at the
+    end of the block, where a reader that left is seen rather than at exit. A closed stdout (None) stays so."""
     stream = sys.stdout
     sys.stdout = _Stdout(stream) if stream is not None else None
     try:
         yield
+        if sys.stdout is not None:
+            sys.stdout.flush()
     finally:
         sys.stdout = stream
 
 
 def discard_the_rest() -> None:
     """What is left of stdout goes nowhere, once its reader left: the flush at exit says nothing either."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with open(os.devnull, "w") as nowhere:
+        os.dup2(nowhere.fileno(), sys.stdout.fileno())
