@@ -1,8 +1,11 @@
 """``smemguard check`` runs the target's code: what it says about that, how long an import may take, what the
 target prints (never on stdout), and the --meta and --jobs values it refuses or lowers (issue 33, items 7-8)."""
 
+import contextlib
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -30,11 +33,11 @@ IN_WORKER_ONLY = "import multiprocessing\nif multiprocessing.parent_process() is
 several_cpus = pytest.mark.skipif(check.usable_cpus() < 2, reason="compile workers need --jobs 2, 2 CPUs")
 
 
-def check_process(argv, cwd, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+def check_process(argv, cwd, timeout=120, env=None) -> tuple[subprocess.CompletedProcess, float]:
     """``smemguard check ARGV`` in a process of its own (an import that never ends, or ends the process, must not
-    take pytest's along); the result and its seconds."""
+    take pytest's along), with ``env`` over the environment; the result and its seconds."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
-           "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)])}
+           "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]), **(env or {})}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "smemguard.cli", "check", *argv], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=cwd)
@@ -231,3 +234,83 @@ def test_a_helper_its_kernels_call_is_not_warned_about_but_an_uncalled_kernel_is
     assert done.stderr.splitlines() == ["smemguard check: skipping helpers:alone: a plain @triton.jit kernel whose "
                                         "constexprs have no default (name it as module:kernel with --meta to check "
                                         "it)"]
+
+
+def test_check_creates_the_cache_directories_it_needs_for_their_owner_only(tmp_path):
+    """Issue 45: the default cache and each parent it lacks (``~/.cache`` itself on a new host) are made with mode
+    700, as README says of the cache, not the umask's 755."""
+    (tmp_path / "kernels.py").write_text(textwrap.dedent(COPY_KERNEL))
+    home_cache = tmp_path / "home" / ".cache"
+    done, _ = check_process(["kernels.py:copy", "--gpu", "L4", "--quiet", "--jobs", "1"], tmp_path,
+                            env={"XDG_CACHE_HOME": str(home_cache)})
+    assert done.returncode == 0, done.stderr
+    made = [home_cache.parent, home_cache, home_cache / "smemguard", home_cache / "smemguard" / "preflight"]
+    assert [oct(path.stat().st_mode & 0o777) for path in made] == [oct(0o700)] * 4
+
+
+def test_check_does_not_trust_results_cached_where_others_can_write(tmp_path):
+    """Issue 45: results rewritten to ``{"shared": 1}`` in a cache directory others can write turned "163840 OVER"
+    (exit 1) into "fits" (exit 0): a deploy gate passed. The decision file's rule applies: one line, and every
+    config is compiled (nothing read from there, nothing written)."""
+    cache = tmp_path / "cache"
+    argv = ["smemguard.examples:attention_fwd", "--meta", "BLOCK_M=128,BLOCK_N=128,num_warps=8,num_stages=3",
+            "--gpu", "L4", "--quiet", "--jobs", "1"]
+    env = {"SMEMGUARD_CACHE_DIR": str(cache)}
+    done, _ = check_process(argv, tmp_path, env=env)
+    assert done.returncode == 1 and "163840 OVER" in done.stdout, done.stderr
+    results = list((cache / "preflight").glob("*/*.json"))
+    assert results
+    for result in results:
+        result.write_text(json.dumps({"shared": 1, "error": None}))
+    os.chmod(cache, 0o777)
+    done, _ = check_process(argv, tmp_path, env=env)
+    assert done.returncode == 1 and "163840 OVER" in done.stdout, done.stdout
+    [line] = done.stderr.splitlines()
+    assert line == (f"smemguard check: not using cached results: {cache} can be written by others (mode 777); fix: "
+                    f"chmod go-w {cache}; every config is compiled")
+    assert all(json.loads(result.read_text())["shared"] == 1 for result in results), "nothing written there"
+    os.chmod(cache, 0o700)
+    os.chmod(results[0], 0o666)
+    done, _ = check_process([*argv, "--json"], tmp_path, env=env)
+    assert done.returncode == 1 and json.loads(done.stdout)["verdicts"]["measured"] >= 1, "a writable result: compiled"
+
+
+@several_cpus
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_check_ends_its_compile_workers(tmp_path, ending):
+    """Issue 45: SIGTERM or SIGHUP to the check's own pid left its compile workers running for 10 minutes and more,
+    holding its stdout and stderr, so a caller reading them hung. They end with the check, which ends as the
+    signal says."""
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    (tmp_path / "busy_kernels.py").write_text(IN_WORKER_ONLY + f"    import os, pathlib, time\n"
+                                              f"    pathlib.Path({str(workers)!r}, str(os.getpid())).touch()\n"
+                                              "    time.sleep(600)\n" + textwrap.dedent(COPY_KERNEL))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SMEMGUARD")},
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    started = subprocess.Popen([sys.executable, "-m", "smemguard.cli", "check", "busy_kernels.py", "--gpu", "L4",
+                                "--quiet", "--jobs", "2", "--no-cache", "--timeout", "900"], env=env, cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(workers.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(workers.iterdir()), "a compile worker started"
+        started.send_signal(ending)
+        out, err = started.communicate(timeout=60)  # the pipes end once no process holds them
+        assert started.returncode == -ending and out == ""
+    finally:
+        for pid in (int(path.name) for path in workers.iterdir()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        started.kill()
+
+
+@several_cpus
+@pytest.mark.skipif(importlib.util.find_spec("numpy") is not None, reason="torch warns of NumPy only without it")
+def test_the_check_and_its_compile_workers_leave_torchs_numpy_warning_unsaid(tmp_path):
+    """Issue 45: the check imports the target (here and in each compile worker) on its own account, and torch
+    warned in each that NumPy is missing, which no check uses."""
+    (tmp_path / "torch_kernels.py").write_text("import torch\n" + textwrap.dedent(COPY_KERNEL))
+    done, _ = check_process(["torch_kernels.py", "--gpu", "L4", "--quiet", "--jobs", "2", "--no-cache"], tmp_path)
+    assert done.returncode == 0 and "NumPy" not in done.stderr, done.stderr

@@ -41,7 +41,7 @@ def test_demo_shows_the_overflow_and_the_recovery(capsys, clean_tmp):
     assert "action       stages_reduced" in out
     assert "attempts     BLOCK_M=128 BLOCK_N=128 BLOCK_K=64 num_warps=4 num_stages=5: 131072 B\n" in out
     assert "\n               num_stages=4: 98304 B\n" in out, "later attempts name what they changed"
-    assert "a temporary file, now removed" in out
+    assert "incidents.jsonl, named above: a temporary file, removed as the demo ends" in out, "said while it is there"
     assert list(clean_tmp.iterdir()) == [], "the demo leaves nothing behind"
 
 
@@ -199,3 +199,68 @@ def test_help_names_every_setting(capsys):
         commands.main(["--help"])
     out = capsys.readouterr().out
     assert [name for name in settings.KNOWN if name not in out] == []
+
+
+@pytest.mark.parametrize("argv", [["cache", "show"], ["cache", "show", "--json"], ["report"], ["report", "--json"],
+                                  ["gpus"], ["versions"]])
+def test_every_command_ends_quietly_with_0_when_its_reader_leaves(tmp_path, argv):
+    """Issue 45: ``cache show | head -1`` said "Broken pipe" and exited 2 (its own handling of file errors took the
+    pipe's for one); one mechanism ends every command so, and nothing is said at exit either."""
+    from smemguard.store import decision_cache
+    from test_untrusted_input import DECISIONS, RECORD
+
+    [entry] = list(DECISIONS["compile"].values())[:1]
+    data = {**decision_cache.empty(), "compile": {f"{n:024x}": entry for n in range(3000)}}
+    (tmp_path / "cache").mkdir(mode=0o700)
+    (tmp_path / "cache" / decision_cache.FILE_NAME).write_text(json.dumps(data))
+    (tmp_path / "incidents.jsonl").write_text("\n".join(json.dumps({**RECORD, "kernel": f"m:k{n}"})
+                                                        for n in range(3000)) + "\n")
+    where = ["--dir", str(tmp_path / "cache")] if argv[0] == "cache" else \
+        [str(tmp_path / "incidents.jsonl")] if argv[0] == "report" else []
+    command = " ".join([sys.executable, "-m", "smemguard.cli", *argv, *where])
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command} | head -1"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert len(done.stdout.splitlines()) == 1
+    closed = subprocess.run(["bash", "-c", f"{command} >&-"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (closed.returncode, closed.stderr) == (0, ""), "a closed stdout: nothing to write to, nothing said"
+
+
+def test_cache_dir_expands_a_tilde_the_shell_left(tmp_path, monkeypatch, capsys):
+    """Issue 45: ``cache import F --dir=~/x`` made a directory named ``~`` (the shell expands a ~ only at the start
+    of a word); an unknown ``~user`` is one line."""
+    from smemguard.store import decision_cache
+    from test_untrusted_input import DECISIONS
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fleet.json").write_text(json.dumps(DECISIONS))
+    assert commands.main(["cache", "import", "fleet.json", "--dir=~/x"]) == 0
+    assert (tmp_path / "home" / "x" / decision_cache.FILE_NAME).exists() and not (tmp_path / "~").exists()
+    assert f"into {tmp_path / 'home' / 'x' / decision_cache.FILE_NAME}" in capsys.readouterr().out
+    assert commands.main(["cache", "show", "--dir=~no-such-user-here/x"]) == 2
+    assert capsys.readouterr().err == ("smemguard cache show: --dir ~no-such-user-here/x: no such user's home "
+                                       "directory\n")
+
+
+def test_check_refuses_an_unknown_dtype_with_one_line(capsys):
+    """Issue 45: ``--dtype bogus`` failed every config of every kernel with a KeyError."""
+    assert commands.main(["check", "--examples", "--gpu", "L4", "--dtype", "bogus", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("smemguard check: --dtype bogus: not an element type; accepted: fp8e4nv, "
+                                 "fp8e5, fp8e4b15, fp8e4b8, fp8e5b16, i8, u8, fp16, bf16, i16, u16, fp32, i32, u32, "
+                                 "fp64, i64, u64\n")
+
+
+@pytest.mark.parametrize("argv", [["report", "A"], ["cache", "import", "A"], ["check", "A", "--gpu", "L4"],
+                                  ["check", "--examples", "--gpu", "A"], ["check", "--examples", "--gpu", "L4",
+                                                                          "--timeout", "A"], ["demo", "--gpu", "A"],
+                                  ["replay", "x", "--limit", "A"], ["run", "--", "A"]])
+def test_a_100_kb_argument_is_never_echoed_whole(argv):
+    """Issue 45: each of these echoed a 100 KB argument whole in its line (run: a name too long to execute, 126)."""
+    argv = [("x" * 100_000 if arg == "A" else arg) for arg in argv]
+    done = subprocess.run([sys.executable, "-m", "smemguard.cli", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    [line] = done.stderr.splitlines()
+    assert done.returncode == (126 if argv[0] == "run" else 2) and len(line) < 400 and "(100000 characters)" in line

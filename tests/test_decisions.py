@@ -184,7 +184,7 @@ def test_decisions_in_a_read_only_directory_apply_and_nothing_there_changes(tmp_
                            "this process") == 1, stderr[1]
     show, clear = commands["show"], commands["clear"]
     assert (show.returncode, show.stderr) == (0, ""), "the setting is accepted as it is"
-    assert show.stdout.startswith(f"1 decisions in {cache / decision_cache.FILE_NAME}:") and \
+    assert show.stdout.startswith(f"1 decision in {cache / decision_cache.FILE_NAME}:") and \
         show.stdout.endswith("(read-only: these apply; a new decision stays in the process that made it)\n")
     assert clear.returncode == 2 and clear.stderr == f"smemguard cache clear: {cache} is read-only: the decisions " \
         "in it apply, but this command writes; nothing was changed\n"

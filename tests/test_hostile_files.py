@@ -308,3 +308,92 @@ def test_decision_files_are_strict_json_of_schema_1(tmp_path, capsys, text, why)
     [line] = capsys.readouterr().err.strip().splitlines()
     assert why in line and "nothing imported" in line
     assert not (tmp_path / "cache" / decision_cache.FILE_NAME).exists()
+
+
+def test_a_link_named_as_decisions_lock_is_never_followed(tmp_path, capsys, caplog):
+    """Issue 45: opening a link named as ``decisions.lock`` would create its target (as root: an empty file
+    anywhere). A serving process gets one warning and keeps the decision in memory; ``cache import`` one line."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    (cache / decision_cache.LOCK_NAME).symlink_to(target)
+    key, value = next(iter(DECISIONS["compile"].items()))
+    with caplog.at_level("WARNING", logger="smemguard"):
+        assert decision_cache.Store(cache).put("compile", key, value) is value
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "decisions.lock is a symbolic link" in warning and "decisions stay in this process" in warning
+    source = tmp_path / "fleet.json"
+    source.write_text(json.dumps(DECISIONS))
+    assert commands.main(["cache", "import", str(source), "--dir", str(cache)]) == 2
+    assert "decisions.lock is a symbolic link" in one_line(capsys.readouterr().err)
+    assert not target.exists() and not (cache / decision_cache.FILE_NAME).exists()
+
+
+def test_a_record_cut_short_by_a_full_disk_is_taken_back(tmp_path):
+    """Issue 45: a real short write (the kernel's, under RLIMIT_FSIZE: writes up to the limit, then fails, as a disk
+    that fills does; SIGXFSZ ignored so that the write fails instead of the process) leaves no fragment: the next
+    record, of any process, is whole."""
+    log = tmp_path / "incidents.jsonl"
+    earlier = json.dumps({"id": "earlier"}) + "\n"
+    log.write_text(earlier)
+    result = run_python(f"""
+        import resource, signal
+        from pathlib import Path
+        from smemguard.store import incidents
+        log = Path({str(log)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (log.stat().st_size + 100, resource.RLIM_INFINITY))
+        print(incidents.write({{"kernel": "m:k", "pad": "x" * 100_000}}, log))
+    """)
+    assert result.stdout.split() == ["None"], "not written, and not announced as written"
+    assert "cannot write incident records to" in one_line(result.stderr) and "taken back" in result.stderr
+    assert log.read_text() == earlier, "the part written was taken back"
+    from smemguard.store import incidents
+
+    assert incidents.write({"kernel": "m:next"}, log) is not None
+    assert [json.loads(line).get("kernel") for line in log.read_text().splitlines()] == [None, "m:next"]
+
+
+def test_a_record_after_a_fragment_starts_a_line_of_its_own(tmp_path):
+    """Issue 45: a fragment another writer left (killed mid-write, or an older smemguard on a full disk) ends where
+    the next record starts a new line: that record is read whole."""
+    from smemguard.store import incidents
+
+    log = tmp_path / "incidents.jsonl"
+    log.write_text('{"id": "earlier"}\n{"kernel": "m:cut', encoding="utf-8")
+    where = incidents.write({"kernel": "m:whole"}, log)
+    lines = log.read_text().splitlines()
+    assert lines[:2] == ['{"id": "earlier"}', '{"kernel": "m:cut'] and len(lines) == 3
+    assert where.endswith("#" + json.loads(lines[2])["id"]) and json.loads(lines[2])["kernel"] == "m:whole"
+
+
+def test_a_lock_held_too_long_once_leaves_the_decision_cache_on(tmp_path, monkeypatch, caplog):
+    """Issue 45: one wait for ``decisions.lock`` that runs out keeps the decision in memory (one warning) but does
+    not switch the cache off: while the lock stays held, a miss only tries it (no second wait); once it is free, the
+    next miss reads what other processes stored meanwhile, and a new decision is stored."""
+    import fcntl
+    import time
+
+    from smemguard.facts import files
+
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.3)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    first, later, own = ({**ENTRY, "final": name} for name in ("first", "later", "own"))
+    store = decision_cache.Store(cache)
+    with open(cache / decision_cache.LOCK_NAME, "w") as held, caplog.at_level("WARNING", logger="smemguard"):
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert store.put("compile", "first", first) is first
+        started = time.monotonic()
+        assert store.put("compile", "own", own) is own and store.get("compile", "later") is None
+        assert time.monotonic() - started < 0.25, "while it stays held, a miss tries the lock, never waits again"
+    run_python(f"""
+        from pathlib import Path
+        from smemguard.store import decision_cache
+        decision_cache.Store(Path({str(cache)!r})).put("compile", "later", {later!r})
+    """)
+    assert store.get("compile", "later") == later, "read once the lock is free"
+    assert store.put("compile", "own again", own) is own
+    assert set(json.loads((cache / decision_cache.FILE_NAME).read_text())["compile"]) == {"later", "own again"}
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "decisions.lock has been held by another process for over 0.3 s" in warning

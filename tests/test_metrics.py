@@ -357,3 +357,48 @@ def test_the_docs_name_only_series_smemguard_exports():
     [dashboard] = [json.loads(block.split("```")[0]) for block in guide.split("```json\n")[1:]]
     queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     assert all(any(name in query for name in exported) for query in queries) and len(queries) == 6
+
+
+@pytest.mark.parametrize("written", ["+Inf", "NaN", "-3"])
+def test_a_textfile_holding_what_no_count_can_be_is_moved_aside(textfile_only, caplog, written):
+    """Issue 45: non-finite or negative values are not a file smemguard wrote: moved aside with one line (never a
+    traceback), and counting goes on from zero."""
+    metrics.count(RECORD)
+    text = textfile_only.read_text()
+    total = re.search(r"^smemguard_incidents_total\{.*\} (1\.0)$", text, re.M)
+    textfile_only.write_text(text[:total.start(1)] + written + text[total.end(1):])
+    with caplog.at_level(logging.WARNING, logger="smemguard"):
+        metrics.count(RECORD)
+        metrics.count(RECORD)
+    [aside] = textfile_only.parent.glob("smemguard.prom.bad-*")
+    assert f"}} {written}\n" in aside.read_text(), "nothing is lost"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "not a metrics file smemguard wrote" in line and "not a count smemguard wrote" in line
+    assert not any(r.exc_info for r in caplog.records), "no traceback"
+    labels = (("action", "fallback"), ("gpu", "unknown"), ("kernel", "k:one"), ("resource", "shared memory"))
+    assert smemguard_samples(textfile_only.read_text())[("smemguard_incidents_total", labels)] == 2
+
+
+@pytest.mark.parametrize("named", ["textfile", "lock"])
+def test_the_textfile_and_its_lock_are_never_opened_through_a_symbolic_link(textfile_only, caplog, named):
+    """Issue 45: a link named as the textfile is never read (its target's first line never logged) and a link named
+    as its lock never creates its target: one line each, and the link's target is left as it was."""
+    target = textfile_only.parent / "elsewhere" / "theirs"
+    target.parent.mkdir()
+    if named == "textfile":
+        target.write_text("secret first line\n")
+    link = textfile_only if named == "textfile" else textfile_only.parent / f".{textfile_only.name}.lock"
+    link.symlink_to(target)
+    with caplog.at_level(logging.WARNING, logger="smemguard"):
+        metrics.count(RECORD)
+        metrics.count(RECORD)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "is a symbolic link" in line and "secret" not in line
+    if named == "textfile":
+        assert target.read_text() == "secret first line\n"
+        [aside] = textfile_only.parent.glob("smemguard.prom.bad-*")
+        assert aside.is_symlink() and "moved it to" in line, "the link is kept, as it was, under another name"
+        assert not textfile_only.is_symlink() and "smemguard_incidents_total{" in textfile_only.read_text()
+    else:
+        assert not target.exists(), "nothing created where the link points"
+        assert "cannot write metrics to" in line and not textfile_only.exists()

@@ -123,14 +123,17 @@ def test_cache_show_export_import_clear(tmp_path, capsys):
                                                   "action": "stages_reduced", "final": "num_stages=4",
                                                   "options": {"num_stages": 4}})
     assert commands.main(["cache", "show", "--dir", str(here)]) == 0
-    assert "m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced num_stages=4" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "m:k on NVIDIA L4 (limit 101376 B): BLOCK_M=128 num_stages=5 -> stages_reduced num_stages=4" in out
+    assert out.startswith(f"1 decision in {here}"), "one decision, not '1 decisions' (issue 45)"
     exported = tmp_path / "fleet.json"
     assert commands.main(["cache", "export", str(exported), "--dir", str(here)]) == 0
     assert commands.main(["cache", "import", str(exported), "--dir", str(there)]) == 0
-    assert "imported 1 decisions" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exported 1 decision from" in out and "imported 1 decision into" in out
     assert decision_cache.Store(there).get("compile", "case")["action"] == "stages_reduced"
     assert commands.main(["cache", "clear", "--dir", str(there)]) == 0
+    assert capsys.readouterr().out.startswith("forgot 1 decision in")
     assert decision_cache.Store(there).get("compile", "case") is None
     (tmp_path / "junk.json").write_text("[]")
     assert commands.main(["cache", "import", str(tmp_path / "junk.json"), "--dir", str(there)]) == 2
@@ -213,7 +216,7 @@ def test_cache_import_skips_entries_that_are_not_decisions_and_show_still_reads(
                                     "launch": {"odd": {**DECISION, "action": "config_changed"}}}))
     assert commands.main(["cache", "import", str(incoming), "--dir", str(tmp_path / "cache")]) == 2
     out, err = capsys.readouterr()
-    assert "imported 1 decisions" in out
+    assert "imported 1 decision into" in out
     assert f'{incoming}: compile entry "bad": the entry is "not a decision", expected an object; not imported' in err
     assert f'{incoming}: launch entry "odd": \'action\' is "config_changed"' not in err, "a launch table may hold it"
     assert f'{incoming}: launch entry "odd": no \'config\' field' in err

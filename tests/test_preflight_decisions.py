@@ -280,3 +280,50 @@ def test_decisions_checked_from_a_file_apply_where_the_file_is_imported(tmp_path
                                            tmp_path / "decided.jsonl", "L4", triton_cache, launch)
     assert ran[0] < 4
     assert_compiled_directly(ran, compiled, incidents)
+
+
+@pytest.mark.parametrize("named", ["the kernel file", "a module it imported"])
+def test_decisions_never_replace_a_file_the_check_read(tmp_path, monkeypatch, capsys, named):
+    """Issue 45: ``check kern.py --decisions kern.py`` replaced the kernel source it had just checked with JSON.
+    A file the check read (a target, a module imported) is refused with one line, before anything compiles."""
+    package = tmp_path / "readpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("# the package\n")
+    (package / "kern_read.py").write_text(DOT_KERNELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = package / ("kern_read.py" if named == "the kernel file" else "__init__.py")
+    before = path.read_text()
+    target = str(package / "kern_read.py") if named == "the kernel file" else "readpkg.kern_read"
+    assert check_decisions([target], "L4", path, monkeypatch) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (f"smemguard check: --decisions {path} is {path}, a file this check read (a kernel's source, a "
+                    "module it imported): name another file; nothing checked")
+    assert path.read_text() == before
+
+
+def test_decisions_into_the_live_decision_file_are_merged_under_its_lock(tmp_path, monkeypatch, capsys):
+    """Issue 45: ``--decisions $SMEMGUARD_CACHE_DIR/decisions.json`` replaced the host's live file whole, outside its
+    lock (its decisions lost, mode 644) and then said to import the file into itself. It is merged into as 'cache
+    import' merges: what was there stays, the file stays its owner's, and the line says so."""
+    from smemguard.facts import settings
+    from test_untrusted_input import DECISIONS
+
+    cache = tmp_path / "cache"
+    [(key, earlier)] = list(DECISIONS["compile"].items())[:1]
+    decision_cache.Store(cache).put("compile", key, earlier)
+    monkeypatch.setenv("SMEMGUARD_CACHE_DIR", str(cache))
+    settings.current.cache_clear()
+    try:
+        assert check_decisions(["smemguard.examples:matmul_kernel", "--meta", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,"
+                                "num_warps=4,num_stages=5"], "L4", cache / decision_cache.FILE_NAME, monkeypatch) == 1
+    finally:
+        settings.current.cache_clear()
+    stored = json.loads((cache / decision_cache.FILE_NAME).read_text())
+    assert stored["compile"][key] == earlier and len(stored["compile"]) > 1, "merged: nothing that was there lost"
+    assert oct((cache / decision_cache.FILE_NAME).stat().st_mode & 0o777) == oct(0o600)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "decisions" in line]
+    assert len(stored["compile"]) + len(stored["launch"]) == 2
+    assert line == (f"smemguard check: added 1 decision to this host's decision cache "
+                    f"{cache / decision_cache.FILE_NAME} (0 already there, kept as they were) for 1 overflowing config "
+                    "(0 without one)")
+    assert "cache import" not in line

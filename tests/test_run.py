@@ -1,5 +1,6 @@
 """``smemguard run -- CMD``: real processes, started the way users start them."""
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 
 from smemguard.cli import run
+from smemguard.facts import settings
 
 from conftest import TESTS, records
 
@@ -232,6 +234,7 @@ def test_bootstrap_goes_first_on_pythonpath_once():
     (["--"], 2, "smemguard run: no command given"),
     (["-x", "python"], 2, "smemguard run: unknown option -x; put the command after --"),
     (["--", "no-such-command-here", "x"], 127, "smemguard run: no-such-command-here: command not found"),
+    (["--", ""], 127, "smemguard run: '': command not found"),  # issue 45: was a traceback
     (["--", os.devnull], 126, f"smemguard run: {os.devnull}: Permission denied"),
 ])
 def test_a_command_that_cannot_start_is_one_line(argv, status, line):
@@ -279,3 +282,51 @@ def test_a_script_importing_from_the_working_directory_works_under_run(tmp_path)
     process = smemguard_run(sys.executable, str(other / "prog.py"), env={"PYTHONPATH": ":"}, cwd=tmp_path, **PIPES)
     status, out, err = finished(process)
     assert (status, out.strip()) == (0, "42"), err
+
+
+def test_relative_paths_are_made_absolute_once_for_every_process(tmp_path):
+    """Issue 45: a relative SMEMGUARD_LOG or SMEMGUARD_CACHE_DIR resolved in each process's working directory, so a
+    child started elsewhere wrote a second log and cache. ``run`` makes them absolute against its own directory; a
+    value that names no path is passed on as it is."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    child = script(tmp_path, """
+        import json, os, subprocess, sys
+        from smemguard.facts import settings
+        seen = subprocess.run([sys.executable, "-c", "from smemguard.facts import settings; s = settings.load(); "
+                               "print(s.log_path, s.cache_dir, s.metrics_file)"], cwd=sys.argv[1],
+                              capture_output=True, text=True).stdout.split()
+        print(json.dumps([os.environ["SMEMGUARD_LOG"], os.environ["SMEMGUARD_CACHE_DIR"], seen]))
+    """)
+    env = {"SMEMGUARD_LOG": "incidents.jsonl", "SMEMGUARD_CACHE_DIR": "cache", "SMEMGUARD_METRICS_FILE": "m.prom",
+           "PYTHONPATH": str(TESTS.parent)}
+    status, out, err = finished(smemguard_run(sys.executable, child, elsewhere, env=env, cwd=here, **PIPES))
+    assert status == 0, err
+    log, cache, seen = json.loads(out)
+    assert (log, cache) == (str(here / "incidents.jsonl"), str(here / "cache"))
+    assert seen == [str(here / "incidents.jsonl"), str(here / "cache"), str(here / "m.prom")], "the same files"
+    environ = {"SMEMGUARD_CACHE_DIR": "off", "SMEMGUARD_LOG": "~no-such-user-here/x.jsonl"}
+    assert settings.with_absolute_paths(environ) == environ
+
+
+def test_warnings_smemguard_causes_are_left_unsaid_and_the_programs_own_are_not(tmp_path, triton_cache):
+    """Issue 45: Triton 3.9 warned of its fp-fusion default because smemguard's recovery asked for the options'
+    names, in a program that named fusion in its launch; that warning is left unsaid, the program's own stay."""
+    program = script(tmp_path, """
+        import sys, warnings
+        import torch
+        from kernels import matmul_args, matmul_kernel
+        from smemguard.testing import fake_gpu
+
+        a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+        with fake_gpu("L4", max_shared=40000, cache_dir=sys.argv[1]):
+            compiled = matmul_kernel[(4, 4)](*matmul_args(a, b, c), BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_stages=4,
+                                             enable_fp_fusion=True)
+        warnings.warn("the program's own warning")
+        print(compiled.metadata.num_stages)
+    """)
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), "SMEMGUARD_CACHE_DIR": "off"}
+    status, out, err = finished(smemguard_run(sys.executable, program, triton_cache, env=env, **PIPES))
+    assert (status, out.split()) == (0, ["3"]), err
+    assert "UserWarning: the program's own warning" in err and "TRITON_DEFAULT_FP_FUSION" not in err, err

@@ -48,6 +48,19 @@ def test_malformed_value_is_one_clear_line_and_the_default(env, variable, value,
     assert (s.mode, s.max_shared, s.log_path) == (default.mode, default.max_shared, default.log_path)
 
 
+@pytest.mark.parametrize("value", ["1", "64", "1024", "49152", "65535"])
+def test_a_limit_below_every_gpu_is_a_problem_line(value):
+    """Issue 45: 1, 64 or 1024 bytes were accepted silently, and every kernel then failed; the smallest GPU of the
+    table (65536 B: T4, MI300X) is the least a limit can be."""
+    loaded = settings.load({"SMEMGUARD_MAX_SHARED": value})
+    [problem] = loaded.problems
+    assert loaded.max_shared is None
+    assert problem.startswith(f"SMEMGUARD_MAX_SHARED={value!r} ignored: below the smallest GPU's limit (T4: 65536 B; "
+                              "the value is bytes); accepted: a byte count such as 101376, or a GPU name: V100, T4")
+    assert problem.endswith("Using the default.")
+    assert settings.load({"SMEMGUARD_MAX_SHARED": "65536"}).problems == ()
+
+
 def test_log_path_that_is_a_directory(tmp_path):
     s = settings.load({"SMEMGUARD_LOG": str(tmp_path)})
     assert s.log_path is None and "is a directory" in s.problems[0]

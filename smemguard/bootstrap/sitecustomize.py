@@ -32,8 +32,10 @@ _MAX_DETAIL = 300  # characters of the error in that line
 def _install():
     try:
         import smemguard
+        from smemguard.facts import process
 
-        smemguard.install()
+        with process.quiet_warnings():  # what the install imports warns of is not the program's to read
+            smemguard.install()
     except (Exception, SystemExit) as error:  # SystemExit: a broken package must not end the program either
         # Written, not logged: logging is not configured yet, and smemguard itself may be what is broken.
         detail = " ".join(f"{type(error).__name__}: {error}".split())[:_MAX_DETAIL]

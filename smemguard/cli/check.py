@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..facts import gpus
+from ..facts import gpus, untrusted
 
 if TYPE_CHECKING:
     from ..preflight import Progress, Report
@@ -159,8 +159,14 @@ def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
 
 
 def _overrides(args, gpu_list: list[gpus.Gpu]) -> dict:
+    from ..kernels.estimate import ELEMENT_BYTES
+    from ..preflight import TargetError
+
     overrides: dict[str, Any] = {}
     if args.dtype:
+        if args.dtype not in ELEMENT_BYTES:  # else every config of every kernel fails to compile, each with a line
+            raise TargetError(f"--dtype {untrusted.printable(args.dtype, 40)}: not an element type; accepted: "
+                              f"{', '.join(ELEMENT_BYTES)}")
         overrides["dtype"] = args.dtype
     if args.sig:
         overrides["signature"] = {name: str(ty) for text in args.sig for name, ty in _key_values(text, "--sig").items()}
@@ -339,8 +345,9 @@ def run_check(args) -> int:
     """Run ``smemguard check`` for a parsed namespace; print the report; return the exit status."""
     from .. import preflight
     from ..preflight import format_summary, format_table
+    from ..preflight.compiling import workers_end_with_this_process
 
-    with _stdout_to_stderr():
+    with _stdout_to_stderr(), workers_end_with_this_process():
         report = _checked(args)
     if report is None:
         return 2
@@ -360,6 +367,7 @@ def _checked(args) -> Report | None:
     """The check's report (running the target's code), or None once one line on stderr has said why none."""
     from .. import preflight
     from ..preflight import ResultCache, TargetError, check, discover
+    from ..preflight.discovery import files_read
 
     refusal = args.decisions and _unwritable(args.decisions)
     if refusal:
@@ -371,12 +379,18 @@ def _checked(args) -> Report | None:
         jobs = _jobs(args.jobs)
         kernels = discover(args.targets, examples=args.examples, overrides=overrides, import_timeout=args.timeout)
         _refuse_unknown_meta(kernels, overrides.get("configs", []), gpu_list)
+        if args.decisions:
+            _refuse_an_input(args.decisions, files_read(kernels))
         if not args.quiet:
             variants = sum(len(kernel.variants) for kernel in kernels)
-            print(f"smemguard check: {len(kernels)} kernels, {variants} configs, GPUs "
+            print(f"smemguard check: {untrusted.counted(len(kernels), 'kernel')}, "
+                  f"{untrusted.counted(variants, 'config')}, GPUs "
                   f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with {jobs} processes",
                   file=sys.stderr, flush=True)
         cache = ResultCache(None) if args.no_cache else preflight.default_cache()
+        if cache.refused:
+            print(f"smemguard check: not using cached results: {untrusted.printable(cache.refused)}; every config is "
+                  "compiled", file=sys.stderr, flush=True)
         report = check(kernels, gpu_list, exact=args.exact, jobs=jobs, cache=cache,
                        progress=None if args.quiet else _progress_printer(), import_timeout=args.timeout)
     except TargetError as error:
@@ -411,8 +425,6 @@ def _stdout_to_stderr():
 
 def _unwritable(path: Path) -> str | None:
     """Why ``--decisions`` cannot be written (said before anything is checked), or None."""
-    from ..facts import untrusted
-
     shown = untrusted.printable(str(path))
     if path.is_dir():
         return f"{shown} is a directory; name a file in it"
@@ -426,23 +438,59 @@ def _unwritable(path: Path) -> str | None:
     return None
 
 
+def _refuse_an_input(path: Path, read: set[str]) -> None:
+    """TargetError when ``--decisions`` names a file the check has read: writing would replace a kernel's source."""
+    from ..preflight import TargetError
+
+    try:
+        written = os.stat(path)
+    except OSError:  # not there yet: no input
+        return
+    for source in read:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(written, os.stat(source)):
+                raise TargetError(f"--decisions {untrusted.printable(str(path))} is {untrusted.printable(source)}, a "
+                                  "file this check read (a kernel's source, a module it imported): name another "
+                                  "file; nothing checked")
+
+
+def _live_store(path: Path):
+    """The decision store of ``SMEMGUARD_CACHE_DIR`` when ``path`` is its file (the live decisions), else None."""
+    from ..facts import settings
+    from ..store import decision_cache
+
+    current = settings.current()
+    if current.cache_dir is None or current.ignored(settings.CACHE_DIR):
+        return None
+    store = decision_cache.Store(current.cache_dir)
+    return store if os.path.realpath(path) == os.path.realpath(store.path) else None
+
+
 def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
     """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
-    the file could not be written."""
-    from ..facts import files, untrusted
+    the file could not be written. The host's own decision file is not replaced but merged into under its lock,
+    as 'cache import' does: no decision already there is lost, and it stays its owner's only."""
+    from ..facts import files
     from ..preflight.decide import decide
 
     found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
                    progress=None if quiet else _show_decided)
+    shown, live = untrusted.printable(str(path)), _live_store(path)
     try:
-        files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
-    except OSError as error:
-        print(f"smemguard check: cannot write --decisions {untrusted.printable(str(path))} "
-              f"({error.strerror or error}); nothing written", file=sys.stderr)
+        if live is not None:
+            added, present = live.merge(found.data)
+        else:
+            files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
+    except (OSError, ValueError) as error:  # ValueError: the merged file would be too large
+        print(f"smemguard check: cannot write --decisions {shown} ({getattr(error, 'strerror', None) or error}); "
+              "nothing written", file=sys.stderr)
         return False
     for note in found.notes:
         print(f"smemguard check: no decision for {note}", file=sys.stderr)
-    print(f"smemguard check: wrote {found.entries} decisions to {untrusted.printable(str(path))} for "
-          f"{found.decided} overflowing configs ({len(found.notes)} without one); import them with "
-          f"'smemguard cache import {untrusted.printable(str(path))}'", file=sys.stderr)
+    done = (f"added {untrusted.counted(added, 'decision')} to this host's decision cache {shown} ({present} already "
+            "there, kept as they were)" if live is not None else
+            f"wrote {untrusted.counted(found.entries, 'decision')} to {shown}")
+    print(f"smemguard check: {done} for {untrusted.counted(found.decided, 'overflowing config')} "
+          f"({len(found.notes)} without one)"
+          + ("" if live is not None else f"; import them with 'smemguard cache import {shown}'"), file=sys.stderr)
     return True

@@ -6,13 +6,12 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import sys
-import warnings
 from pathlib import Path
 
 from .._version import __version__
 from ..facts import files, gpus, process, untrusted
+from . import stdout
 
 DESCRIPTION = """\
 smemguard keeps Triton kernels (and the vLLM workers running them) alive when a launch asks for
@@ -142,8 +141,7 @@ def _replay(args) -> int:
         print(f"smemguard replay: {failure}", file=sys.stderr)
         return 2
     try:
-        with process.quiet_triton():
-            return replay.replay(found.fields, limit, print)
+        return replay.replay(found.fields, limit, print)
     except replay.ReplayError as error:
         print(f"smemguard replay: {untrusted.printable(found.path)}:{found.line}: {error}", file=sys.stderr)
         print("smemguard replay: fix: replay another record (--index N, --kernel TEXT), or correct that line",
@@ -156,12 +154,15 @@ def _cache_directory(args) -> tuple[Path | None, str | None]:
     from ..facts.settings import CACHE_DIR, USING_THE_DEFAULT
 
     if args.dir is not None:
-        try:
-            if args.dir.exists() and not args.dir.is_dir():
-                return None, f"--dir {untrusted.printable(str(args.dir))} is a file, not a cache directory"
+        try:  # `--dir=~/x` reaches here unexpanded: the shell expands a ~ only at the start of a word
+            directory = args.dir.expanduser()
+            if directory.exists() and not directory.is_dir():
+                return None, f"--dir {untrusted.printable(str(directory))} is a file, not a cache directory"
+        except RuntimeError:  # ~user, and no such user
+            return None, f"--dir {untrusted.printable(str(args.dir), 80)}: no such user's home directory"
         except OSError as error:  # a name too long for the file system
-            return None, f"--dir {untrusted.printable(str(args.dir))[:80]}: {error.strerror or error}"
-        return args.dir, None
+            return None, f"--dir {untrusted.printable(str(args.dir), 80)}: {error.strerror or error}"
+        return directory, None
     problem = args.settings.problem_of(CACHE_DIR)
     if problem is not None:  # stated here alone: the settings report's "Using the default" is not true of a command
         return None, (f"{problem.removesuffix(USING_THE_DEFAULT)} Nothing was touched: a cache command never "
@@ -180,7 +181,7 @@ def _show(data: dict, path: Path, as_json: bool) -> None:
     elif not entries:
         print(f"no decisions in {untrusted.printable(str(path))}")
     else:
-        print(f"{len(entries)} decisions in {untrusted.printable(str(path))}:")
+        print(f"{untrusted.counted(len(entries), 'decision')} in {untrusted.printable(str(path))}:")
         for entry in entries:
             print("  " + untrusted.printable(_entry_line(entry)))
 
@@ -236,12 +237,13 @@ def _cache(args) -> int:
             else:
                 _export(Path(args.file), json.dumps(data, indent=1, sort_keys=True) + "\n")
                 count = sum(len(data[kind]) for kind in decision_cache.KINDS)
-                print(f"exported {count} decisions from {shown_path} to {untrusted.printable(args.file)}")
+                print(f"exported {untrusted.counted(count, 'decision')} from {shown_path} to "
+                      f"{untrusted.printable(args.file)}")
         elif args.action == "clear":
             if not store.path.exists():
                 print(f"no decisions in {shown_path}: nothing to forget")
             else:
-                print(f"forgot {store.clear()} decisions in {shown_path}")
+                print(f"forgot {untrusted.counted(store.clear(), 'decision')} in {shown_path}")
         else:
             return _import(command, store, Path(args.file))
     except files.Refused as refusal:
@@ -293,7 +295,8 @@ def _import(command: str, store, source: Path) -> int:
         print(f"{command}: not importing {shown_source} into {untrusted.printable(str(store.path))}: {error}; nothing "
               "imported. Fix: 'smemguard cache clear' first, or import into another --dir", file=sys.stderr)
         return 2
-    print(f"imported {added} decisions into {untrusted.printable(str(store.path))} ({present} already there, kept "
+    print(f"imported {untrusted.counted(added, 'decision')} into {untrusted.printable(str(store.path))} ({present} "
+          "already there, kept "
           "as they were)")
     if dropped:
         print(f"{command}: entries of {shown_source} not imported: {len(dropped)}, listed above. Fix: export "
@@ -448,6 +451,10 @@ def _report_settings(settings, stated_by_the_command: tuple[str, ...] = ()) -> b
     return True
 
 
+#: The longest argument a command takes: a path (PATH_MAX on Linux), a list of GPUs, a config.
+MAX_ARGUMENT = 4096
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
@@ -457,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         from . import run
 
         return run.main(argv[1:])
+    too_long = next((arg for arg in argv if len(arg) > MAX_ARGUMENT), None)
+    if too_long is not None:  # a mistake (a pasted file?), never echoed whole by argparse or a command
+        print(f"smemguard: an argument of {len(too_long)} characters ({untrusted.printable(too_long, 40)}): no path, "
+              f"name or value smemguard takes is longer than {MAX_ARGUMENT}; nothing done", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -469,15 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = settings.load()
     if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
         return 2
-    with warnings.catch_warnings():
-        # torch warns at import when NumPy is missing; no command uses NumPy. The filter ends with the command.
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
-        try:
+    try:
+        with process.quiet_warnings(), stdout.until_the_reader_leaves():  # what the command imports and compiles
             return args.run(args)
-        except KeyboardInterrupt:
-            print(f"smemguard {args.command}: interrupted", file=sys.stderr)
-            return 130
-        except BrokenPipeError:  # `smemguard report ... | head`: the reader left; nothing more to say
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
-            return 0
+    except KeyboardInterrupt:
+        print(f"smemguard {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except stdout.ReaderLeft:  # `smemguard cache show | head -1`: nothing more to say
+        stdout.discard_the_rest()
+        return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._version import __version__
-from ..facts import files, gpus, process, untrusted
+from ..facts import files, gpus, untrusted
 
 
 def _step(text: str) -> float:
@@ -34,10 +34,6 @@ def _appended_record(path: Path, offset: int) -> dict | None:
         return None
     record, _ = untrusted.loads(first)
     return record if isinstance(record, dict) else None
-
-
-def _stages(count: int) -> str:
-    return f"{count} stage" + ("" if count == 1 else "s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +82,6 @@ def demo_scenario(gpu: gpus.Gpu) -> DemoScenario:
 
 def run(gpu_name: str, settings) -> int:
     """``smemguard demo --gpu GPU_NAME`` under ``settings``; returns the exit status."""
-    with process.quiet_triton():
-        return _run(gpu_name, settings)
-
-
-def _run(gpu_name: str, settings) -> int:
     gpu = gpus.lookup(gpu_name)
     problem = _why_no_demo(gpu_name, gpu)
     if problem is not None:
@@ -163,7 +154,7 @@ def _autotune_where_tuned(scenario: DemoScenario, n: int, launch: Callable[[], o
         launch()
         won = device.launches[-1]
         _done(started, f"winner {big.kwargs['BLOCK_M']}x{big.kwargs['BLOCK_N']}x{big.kwargs['BLOCK_K']}, "
-                       f"{_stages(won.num_stages)}, {won.shared} B")
+                       f"{untrusted.counted(won.num_stages, 'stage')}, {won.shared} B")
 
 
 def _overflow_then_recover(gpu: gpus.Gpu, settings, launch: Callable[[], object], elsewhere: bool) -> int:
@@ -193,8 +184,7 @@ def _overflow_then_recover(gpu: gpus.Gpu, settings, launch: Callable[[], object]
             _launch_guarded(settings, launch, device)
         finally:
             smemguard.uninstall()
-        record = _appended_record(incidents, offset)
-    _print_record(record, incidents, settings)
+        _print_record(_appended_record(incidents, offset), incidents, settings)  # before a temporary one is removed
     return 0
 
 
@@ -227,10 +217,11 @@ def _launch_guarded(settings, launch: Callable[[], object], device) -> None:
               settings.enabled else "observe mode records the incident and changes nothing"))
     else:
         fixed = device.launches[-1]
-        _done(started, f"ran with {_stages(fixed.num_stages)}, {fixed.shared} B, grid {fixed.grid}")
+        _done(started, f"ran with {untrusted.counted(fixed.num_stages, 'stage')}, {fixed.shared} B, "
+                       f"grid {fixed.grid}")
         started = _step("4. again (remembered: no exception, no compile)")
         launch()
-        _done(started, f"ran with {_stages(device.launches[-1].num_stages)}")
+        _done(started, f"ran with {untrusted.counted(device.launches[-1].num_stages, 'stage')}")
 
 
 def _print_record(record: dict | None, incidents: Path, settings) -> None:
@@ -240,7 +231,8 @@ def _print_record(record: dict | None, incidents: Path, settings) -> None:
         print(f"\nno incident record ({MODE}=off)" if not settings.enabled else
               f"\nno incident record could be written to {incidents} (see the warning above)")
         return
-    where = incidents if settings.log_path else "a temporary file, now removed; set SMEMGUARD_LOG to keep it"
+    where = incidents if settings.log_path else (f"{incidents}, named above: a temporary file, removed as the demo "
+                                                 "ends; set SMEMGUARD_LOG to keep it")
     print(f"\nincident record ({where}):")
     for field in ("kernel", "resource", "required", "limit_hit", "config", "action", "final", "recovery_ms"):
         print(f"  {field:12} {record.get(field)}")

@@ -2,13 +2,15 @@
 
 Puts :data:`BOOTSTRAP` (a folder holding only smemguard's ``sitecustomize``) first on ``PYTHONPATH``
 and replaces itself with CMD (``os.execvpe``: CMD keeps this process's id, signals and exit status).
-The environment passes through otherwise untouched: every ``SMEMGUARD_*`` setting is read by
-``smemguard.install()`` in each process, as with a call in the program's own code.
+The environment passes through otherwise untouched but for the settings that name a path, made absolute
+once (``settings.with_absolute_paths``): every ``SMEMGUARD_*`` setting is read by ``smemguard.install()`` in
+each process, as with a call in the program's own code.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -33,7 +35,9 @@ existing sitecustomize still runs), then replaces itself with CMD: same process 
 program's own signals, output and exit status.
 
 Settings are the environment's SMEMGUARD_* variables, read in each process as install() reads
-them. SMEMGUARD=off runs CMD unchanged. When smemguard cannot install in a process (not
+them; a relative SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR or SMEMGUARD_METRICS_FILE is made absolute
+here, so a process started in another directory writes the same files.
+SMEMGUARD=off runs CMD unchanged. When smemguard cannot install in a process (not
 importable by that interpreter, a bad setting under SMEMGUARD=strict), that process writes one
 line on stderr and runs unguarded; a bad setting otherwise is one warning line and the default.
 
@@ -87,14 +91,17 @@ def main(argv: list[str]) -> int:
         return 2
     from ..facts import settings
 
-    # Passed on as it is, but for PYTHONPATH; off: install nothing, not even the sitecustomize.
-    environ = environment(os.environ) if settings.load().enabled else os.environ
+    # Passed on as it is, but for PYTHONPATH and the paths made absolute; off: install nothing, not even the
+    # sitecustomize.
+    environ = environment(settings.with_absolute_paths(os.environ)) if settings.load().enabled else os.environ
     sys.stdout.flush()
     sys.stderr.flush()
     try:
+        if not command[0]:  # no program has an empty name (os.execvpe raises ValueError for it)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
         os.execvpe(command[0], command, environ)
     except OSError as error:  # nothing was replaced: say why as a shell would
         not_found = isinstance(error, FileNotFoundError)
-        print(f"smemguard run: {untrusted.printable(command[0])}: "
+        print(f"smemguard run: {untrusted.printable(command[0], 200) or repr('')}: "
               f"{'command not found' if not_found else error.strerror or error}", file=sys.stderr)
         return 127 if not_found else 126

@@ -49,13 +49,21 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+#: Added to the flags of an open that must not go through a symbolic link named as the file.
+_NO_LINK = getattr(os, "O_NOFOLLOW", 0)
+
+
 def _opened(path: Path, flags: int, mode: int = 0o644) -> int:
-    """A descriptor of ``path`` opened without blocking; Refused unless it is a regular file."""
+    """A descriptor of ``path`` opened without blocking; Refused unless it is a regular file (and, with
+    :data:`_NO_LINK` in ``flags``, unless ``path`` itself is one, not a symbolic link)."""
     try:
         descriptor = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0), mode)
     except OSError as error:
         if error.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
             raise Refused(errno.EINVAL, f"{path} is a FIFO (named pipe), not a regular file") from None
+        if error.errno == errno.ELOOP and flags & _NO_LINK:
+            raise Refused(errno.ELOOP, f"{path} is a symbolic link; smemguard opens only the file it names, never "
+                                       "one a link points to") from None
         raise
     try:
         status = os.fstat(descriptor)
@@ -68,27 +76,44 @@ def _opened(path: Path, flags: int, mode: int = 0o644) -> int:
         raise
 
 
-def open_read(path: Path):
-    """``path`` opened for reading in binary, regular files only (OSError, Refused otherwise)."""
-    return os.fdopen(_opened(path, os.O_RDONLY), "rb")
+def open_read(path: Path, follow_links: bool = True):
+    """``path`` opened for reading in binary, regular files only (OSError, Refused otherwise); without
+    ``follow_links``, a symbolic link named as the file is Refused, its target never read."""
+    return os.fdopen(_opened(path, os.O_RDONLY | (0 if follow_links else _NO_LINK)), "rb")
 
 
-def open_append(path: Path):
-    """``path`` opened for appending text (created when missing), regular files only, never through a symbolic
-    link: a link named as the file would make smemguard append to (or create) a file the user did not name."""
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` (one record) and a newline to ``path`` (created when missing) in one write, so that writers
+    of other processes never interleave with it. Regular files only, never through a symbolic link: a link named
+    as the file would make smemguard append to (or create) a file the user did not name.
+
+    The line starts a line of its own even after a fragment another writer left (killed mid-write, or out of
+    space); a write cut short (a full disk) is taken back where no other writer appended after it, and raises:
+    the next record, of any process, is never glued to a fragment."""
+    appending = os.O_APPEND | os.O_CREAT | _NO_LINK
     try:
-        descriptor = _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as error:
-        if error.errno == errno.ELOOP and not isinstance(error, Refused):
-            raise Refused(errno.ELOOP, f"{path} is a symbolic link; smemguard appends only to the file it names, "
-                                       "never through a link") from None
-        raise
-    return os.fdopen(descriptor, "a", encoding="utf-8")
+        descriptor, readable = _opened(path, os.O_RDWR | appending), True
+    except PermissionError:  # a file this user may write but not read: appended without looking at its end
+        descriptor, readable = _opened(path, os.O_WRONLY | appending), False
+    try:
+        size = os.fstat(descriptor).st_size
+        after_fragment = readable and size and os.pread(descriptor, 1, size - 1) != b"\n"
+        data = (b"\n" if after_fragment else b"") + line.encode() + b"\n"
+        written = os.write(descriptor, data)
+        if written < len(data):
+            end = os.lseek(descriptor, 0, os.SEEK_CUR)  # O_APPEND: where this write ended
+            if os.fstat(descriptor).st_size == end:
+                os.ftruncate(descriptor, end - written)
+            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes could be written (a full disk or a "
+                                        "file size limit); the part written was taken back")
+    finally:
+        os.close(descriptor)
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """The contents of regular file ``path``; Refused when it holds more than ``limit`` bytes."""
-    with open_read(path) as handle:
+def read_bytes(path: Path, limit: int, follow_links: bool = True) -> bytes:
+    """The contents of regular file ``path``; Refused when it holds more than ``limit`` bytes (or, without
+    ``follow_links``, when it is a symbolic link)."""
+    with open_read(path, follow_links) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise Refused(errno.EFBIG, f"{path} is larger than {_size(limit)}, more than such a file can hold")
@@ -132,31 +157,49 @@ def check_trusted(*paths: Path) -> None:
 
 
 def make_directory(path: Path) -> None:
-    """Create ``path`` (and its parents) for smemguard's own files, readable by its owner only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and each missing parent for smemguard's own files, readable by their owner only (``mkdir``'s
+    ``parents=True`` would give the parents the umask's mode, mostly 755)."""
+    if not path.parent.is_dir() and path.parent != path:
+        make_directory(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)
 
 
 #: The longest smemguard waits for a host-wide lock another process holds.
 LOCK_WAIT_S = 10.0
+#: After a wait for a lock ran out, that lock is only tried (never waited on) for a pause of :data:`LOCK_WAIT_S`,
+#: doubled at each wait that runs out, up to this: a process meeting a lock held for ever waits 10 s at most every
+#: 10 minutes, and takes the lock at its first try once it is free.
+LOCK_PAUSE_MAX_S = 600.0
+_paused: dict[Path, tuple[float, float]] = {}  # lock -> (when it may be waited on again, the next pause)
+
+
+class Busy(Refused):
+    """A host-wide lock another process has held for over :data:`LOCK_WAIT_S` (or held a moment ago, and still does)."""
 
 
 @contextlib.contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     """Hold the host-wide exclusive lock ``lock_path`` (created when missing) for the block. Writers hold it for
-    milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Refused, so
-    that no command and no serving process ever waits on it for ever."""
-    descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+    milliseconds; one held for over :data:`LOCK_WAIT_S` (a stopped process, a hand-held ``flock``) is Busy, so
+    that no command and no serving process ever waits on it for ever (nor for long again: :data:`LOCK_PAUSE_MAX_S`)."""
+    # Never through a link: opening one named as the lock would create its target (as root: a file anywhere).
+    descriptor = _opened(lock_path, os.O_WRONLY | os.O_CREAT | _NO_LINK, 0o600)
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
+        resume, pause = _paused.get(lock_path, (0.0, LOCK_WAIT_S))
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Refused(errno.ETIMEDOUT, f"{lock_path} has been held by another process for over "
-                                                   f"{LOCK_WAIT_S:g} s") from None
+                now = time.monotonic()
+                if now >= deadline or now < resume:
+                    if now >= resume:
+                        _paused[lock_path] = (now + pause, min(2 * pause, LOCK_PAUSE_MAX_S))
+                    raise Busy(errno.ETIMEDOUT, f"{lock_path} has been held by another process for over "
+                                                f"{LOCK_WAIT_S:g} s") from None
                 time.sleep(0.01)
+        _paused.pop(lock_path, None)
         yield
     finally:
         os.close(descriptor)  # closing releases the lock

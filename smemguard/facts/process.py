@@ -39,12 +39,18 @@ def set_installed_engine(engine) -> None:
     _installed_engine = engine
 
 
+#: What Triton and torch warn of once per process when smemguard itself compiles or imports them, which its user
+#: cannot act on: Triton 3.9's fp-fusion default about to change, torch without NumPy (smemguard uses none).
+NOT_OURS_TO_SHOW = ("TRITON_DEFAULT_FP_FUSION", "Failed to initialize NumPy")
+
+
 @contextlib.contextmanager
-def quiet_triton() -> Iterator[None]:
-    """Triton 3.9 warns once per process that an fp-fusion default will change: not ours to show
-    where smemguard's own commands compile."""
+def quiet_warnings() -> Iterator[None]:
+    """Those two warnings (:data:`NOT_OURS_TO_SHOW`) left unsaid while smemguard compiles or imports on its own
+    account (its commands, its compile workers, its install under ``smemguard run``); the program's own stay."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        for message in NOT_OURS_TO_SHOW:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
         yield
 
 

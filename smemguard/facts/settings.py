@@ -111,10 +111,14 @@ def _parse_mode(value: str | None, problems: list[str]) -> str:
     return "on"
 
 
+def _limits_accepted() -> str:
+    return f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
+
+
 def parse_max_shared(text: str) -> tuple[int, str]:
     """``"101376"`` or a GPU name (``"L20"``) -> (bytes, label); ValueError saying what is accepted."""
     text = text.strip()
-    accepted = f"a byte count such as 101376, or a GPU name: {', '.join(gpus.names())}"
+    accepted = _limits_accepted()
     gpu = gpus.lookup(text)
     if gpu is not None:  # "4090" is the RTX 4090, as in 'smemguard gpus' and 'check --gpu', not 4090 bytes
         return gpu.max_shared, gpu.name
@@ -131,10 +135,16 @@ def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | Non
     if value is None or value.strip() == "":
         return None, None
     try:
-        return parse_max_shared(value)
+        limit, label = parse_max_shared(value)
     except ValueError as error:
         problems.append(f"{MAX_SHARED}={_shown(value)} ignored: {error}.{USING_THE_DEFAULT}")
         return None, None
+    smallest = min(gpus.GPUS, key=lambda gpu: gpu.max_shared)
+    if limit < smallest.max_shared:  # no GPU is that small: every kernel using shared memory would fail (KiB meant?)
+        problems.append(_problem(MAX_SHARED, value, f"below the smallest GPU's limit ({smallest.name}: "
+                                 f"{smallest.max_shared} B; the value is bytes)", _limits_accepted()))
+        return None, None
+    return limit, label
 
 
 def _unwritable_reason(path: Path) -> str | None:
@@ -270,6 +280,21 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     problems.extend(_unknown_variables(environ))
     return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file,
                     disabled=disabled)
+
+
+def with_absolute_paths(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the settings that name a path (a relative one is relative to each process's working
+    directory) made absolute against this process's, ``~`` expanded: ``smemguard run`` passes them on so, and a
+    child started in another directory writes the same log, cache and metrics. A value that names no path (off,
+    empty, an unknown ``~user``, a control character) is passed on as it is: each process reports it."""
+    made = {}
+    for var in (LOG, CACHE_DIR, METRICS_FILE):
+        value = environ.get(var, "").strip()
+        expanded = os.path.expanduser(value)
+        if value and value.isprintable() and not expanded.startswith("~") and not (var == CACHE_DIR and
+                                                                                    value.lower() == "off"):
+            made[var] = os.path.abspath(expanded)
+    return {**environ, **made}
 
 
 @functools.lru_cache(maxsize=1)

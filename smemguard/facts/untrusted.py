@@ -40,10 +40,16 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def printable(text: str) -> str:
+def printable(text: str, limit: int | None = None) -> str:
     """Text from a file (a kernel name, a path) safe to print on one line: control characters and
-    lone surrogates escaped, everything else as it is."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    lone surrogates escaped, everything else as it is; cut at ``limit`` characters, saying how long it was."""
+    shown = text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return shown if limit is None or len(shown) <= limit else f"{shown[:limit]}... ({len(text)} characters)"
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, in the plural but for one: "1 decision", "3 decisions"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 @dataclass(frozen=True)

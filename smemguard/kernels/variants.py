@@ -30,8 +30,8 @@ def compiled_variant_id(kernel) -> str:
     """:func:`variant_id` of a compiled kernel: its source, and its metadata's option fields."""
     from triton.compiler.compiler import make_backend
 
-    metadata = kernel.metadata._asdict()
-    fields = make_backend(kernel.metadata.target).parse_options({}).__dict__
+    metadata = kernel.metadata._asdict()  # and the option names: fusion named, Triton 3.9 warns of its default unasked
+    fields = make_backend(kernel.metadata.target).parse_options({"enable_fp_fusion": True}).__dict__
     return variant_id(kernel.src, {name: metadata[name] for name in fields if name in metadata})
 
 

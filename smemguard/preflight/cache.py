@@ -15,10 +15,14 @@ MAX_RESULT = 64 * 2**10
 
 
 class ResultCache:
-    """Measured results as small JSON files, one per compile key; written atomically (:mod:`smemguard.facts.files`)."""
+    """Measured results as small JSON files, one per compile key; written atomically (:mod:`smemguard.facts.files`).
+    A result decides a verdict as a compile would: one that another user can write (or the folder holding it) is
+    compiled again, never read (``files.check_trusted``, the decision file's rule). ``refused``: why there is no
+    directory, where it was not trusted."""
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, refused: str | None = None) -> None:
         self.directory = directory
+        self.refused = refused
 
     def _path(self, key: str) -> Path:
         assert self.directory is not None
@@ -28,9 +32,11 @@ class ResultCache:
         """The result stored under ``key``; None when there is none usable (a damaged one is compiled again)."""
         if self.directory is None:
             return None
+        path = self._path(key)
         try:
-            result = json.loads(files.read_bytes(self._path(key), MAX_RESULT))
-        except (OSError, ValueError, RecursionError):
+            files.check_trusted(path.parent, path)
+            result = json.loads(files.read_bytes(path, MAX_RESULT))
+        except (OSError, ValueError, RecursionError):  # Untrusted too
             return None
         return result if valid(result) else None
 
@@ -57,9 +63,17 @@ def valid(result) -> bool:
 
 def default_cache() -> ResultCache:
     """``SMEMGUARD_CACHE_DIR/preflight``; no cache when the setting is off or unusable (its problem line
-    says so): the default directory is never written in place of the one the user named."""
+    says so): the default directory is never written in place of the one the user named. Nor when another user
+    can write it or the cache directory (``refused`` says why): a result rewritten there would turn an overflow
+    into "fits", as a decision file rewritten there would decide what compiles."""
     from ..facts import settings
 
     current = settings.current()
-    usable = current.cache_dir is not None and not current.ignored(settings.CACHE_DIR)
-    return ResultCache(current.cache_dir / "preflight" if usable else None)
+    if current.cache_dir is None or current.ignored(settings.CACHE_DIR):
+        return ResultCache(None)
+    directory = current.cache_dir / "preflight"
+    try:
+        files.check_trusted(current.cache_dir, directory)
+    except files.Untrusted as refusal:
+        return ResultCache(None, refused=str(refusal))
+    return ResultCache(directory)

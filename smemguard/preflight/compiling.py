@@ -10,8 +10,11 @@ import hashlib
 import inspect
 import io
 import multiprocessing
+import os
 import re
+import signal
 import subprocess
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, fields
@@ -236,7 +239,7 @@ def cache_key(jit, request: CompileRequest) -> str:
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
     backend = _backend(request.arch)
-    with process.quiet_triton():
+    with process.quiet_warnings():
         options = backend.parse_options(dict(request.options))
     env = sorted(get_cache_invalidating_env_vars().items())
     triton_key = f"{_triton_key()}-{_source(jit, request).hash()}-{backend.hash()}-{options.hash()}-{env}"
@@ -249,7 +252,7 @@ def compile_request(jit, request: CompileRequest) -> dict:
     started = time.perf_counter()
     try:
         # A failing pass may print a reproducer on stdout; stdout may be --json.
-        with process.quiet_triton(), contextlib.redirect_stdout(io.StringIO()):
+        with process.quiet_warnings(), contextlib.redirect_stdout(io.StringIO()):
             shared = shared_memory(_source(jit, request), request.arch, request.options)
         return {"shared": shared, "error": None, "seconds": time.perf_counter() - started}
     except Exception as error:  # CompilationError, assertion in a pass: the config does not compile
@@ -300,7 +303,8 @@ def _start_worker(import_timeout: float | None) -> None:
 
 def _compile_in_worker(request: CompileRequest) -> dict:
     if request.locator not in _worker_jits:
-        _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
+        with process.quiet_warnings():  # this process imports the target on smemguard's account
+            _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
     return compile_request(_worker_jits[request.locator], request)
 
 
@@ -335,6 +339,33 @@ class Compiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
+
+
+#: Signals that end a check started from a shell or a CI runner (``kill``, a closed terminal, a job's timeout).
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def workers_end_with_this_process():
+    """While the block runs (in the main thread), SIGTERM or SIGHUP to this process ends its compiler processes
+    first, then this process as the signal would have: left alone, they compile on for minutes (about 280 MB each)
+    and hold this process's stdout and stderr open, so that a caller reading them waits as long."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+
+    def end(signum, frame):
+        for worker in multiprocessing.active_children():
+            worker.kill()  # a compile holds nothing another process needs
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = {ending: signal.signal(ending, end) for ending in ENDING_SIGNALS}
+    try:
+        yield
+    finally:
+        for ending, handler in previous.items():
+            signal.signal(ending, handler)
 
 
 def _picklable(request: CompileRequest) -> bool:

@@ -285,6 +285,15 @@ def discover(targets: Sequence[str], examples: bool = False, overrides: dict | N
     return kernels
 
 
+def files_read(kernels: Sequence[CheckedKernel]) -> set[str]:
+    """The files a check of ``kernels`` has read: each kernel's source, and every module imported so far (the
+    targets, their packages, what they import). ``--decisions`` must never replace one of them."""
+    read = {kernel.jit.fn.__code__.co_filename for kernel in kernels}
+    read.update(file for module in list(sys.modules.values())
+                if isinstance(file := getattr(module, "__file__", None), str))
+    return read
+
+
 def _module_kernels(module: ModuleType, label: str, file: str | None, defined_here: bool) -> list[tuple]:
     """(name, module, attribute, file, kernel, False) for the kernels in ``module``'s namespace (with
     ``defined_here``, only those whose function it defines: a package's modules import each other's)."""

@@ -216,7 +216,7 @@ class Store:
         self._lock = threading.Lock()
         self._data = empty()
         self._stamp: tuple | None = None  # (mtime_ns, size) of the file we last read
-        self._broken = False  # I/O failed once: memory only from then on
+        self._broken = False  # I/O failed (but for a busy lock): memory only from then on
 
     def _exclusive(self):
         files.make_directory(self.directory)
@@ -268,10 +268,10 @@ class Store:
         self._stamp = (stat.st_mtime_ns, stat.st_size)
 
     def _io_failed(self, error: OSError) -> None:
-        self._broken = True
-        if isinstance(error, files.Refused):
-            log.warning("smemguard: refusing the decision cache: %s; decisions stay in this process.", error)
-            return
+        self._broken = not isinstance(error, files.Busy)  # a busy lock: tried again at the next miss (files.exclusive)
+        if isinstance(error, files.Refused):  # a busy lock refuses each miss while it is held: said once
+            return process.warn_once(log, str(error), "smemguard: refusing the decision cache: %s; decisions stay in "
+                                     "this process.", error)
         log.warning("smemguard: cannot use the decision cache in %s (%s); decisions stay in this process. "
                     "Fix: point SMEMGUARD_CACHE_DIR at a writable directory, or set it to off.",
                     self.directory, error.strerror or error)
@@ -401,6 +401,8 @@ def store(directory: Path | None) -> Store | None:
 
 
 # -- Encoding: a recovery decision as a stored entry -------------------------------------------
+
+
 def provenance() -> dict:
     """Where and when an entry was stored (for people reading the file; never part of a key)."""
     return {"time": time.time(), "host": incidents.host(), "pid": os.getpid()}

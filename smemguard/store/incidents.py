@@ -110,8 +110,7 @@ def write(record: dict, path: Path | None) -> str | None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             line = json.dumps(record, default=_json_default, sort_keys=True)
-            with files.open_append(path) as out:  # a FIFO or a device is refused, never waited on
-                out.write(line + "\n")
+            files.append_line(path, line)  # a FIFO or a device is refused, never waited on
         except OSError as error:
             _unwritable.add(path)
             log.warning("smemguard: cannot write incident records to %s (%s); they go to the log only. "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import sys
 import threading
 from collections import Counter
@@ -124,6 +125,8 @@ class Tally:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
                     labels = sample.labels
+                    if not (math.isfinite(sample.value) and sample.value >= 0):  # counts and seconds: never so
+                        raise ValueError(f"{sample.name} is {sample.value:g}, not a count smemguard wrote")
                     if sample.name == INCIDENTS + "_total":
                         tally.incidents[tuple(labels[name] for name in INCIDENT_LABELS)] += sample.value
                     elif sample.name == REMEMBERED + "_total":
@@ -324,13 +327,13 @@ def _read_textfile(path: Path) -> Tally:
     """The textfile's series; one that is not smemguard's is moved aside (nothing lost) and started anew.
     Parsing is most of an update's cost: the text this process wrote last is not parsed again."""
     try:
-        text = files.read_bytes(path, MAX_TEXTFILE).decode("utf-8")
+        text = files.read_bytes(path, MAX_TEXTFILE, follow_links=False).decode("utf-8")
         if _last_written is not None and _last_written[:2] == (path, text):
             return _last_written[2]
         return Tally.parse(text)
     except FileNotFoundError:
         return Tally()
-    except (ValueError, files.Refused) as error:  # UnicodeDecodeError too; too large, not a regular file
+    except (ValueError, files.Refused) as error:  # UnicodeDecodeError too; too large, a link, not a regular file
         aside = files.move_aside(path)
         log.warning("smemguard: %s is not a metrics file smemguard wrote (%s); moved it to %s and started anew",
                     path, error, aside)
