@@ -10,7 +10,7 @@ from triton.runtime.errors import OutOfResources
 from smemguard.store import decision_cache
 from smemguard import guard
 from smemguard.engine import ladder, recall, recovery
-from smemguard.kernels import launch
+from smemguard.kernels import launch, variants
 from smemguard.facts import process
 from smemguard.testing import fake_gpu
 
@@ -55,7 +55,7 @@ PLAIN_KERNEL_STEPS = [
     ("find the case", recovery.Decided, "case_for", failing_once, "recovered"),
     ("describe the arguments", recovery, "described_args", failing_once, "recovered"),
     ("open the decision store", decision_cache, "store", always_failing, "recovered"),
-    ("key the stored decisions", decision_cache, "cases_for", always_failing, "recovered"),
+    ("key the stored decisions", variants, "cases_for", always_failing, "recovered"),
     ("decide", ladder, "decide", failing_once, "raised"),
     ("store the decision", recall, "remember", always_failing, "recovered"),
     ("replace in the JIT cache", recovery, "replace_in_jit_cache", failing_once, "raised"),
