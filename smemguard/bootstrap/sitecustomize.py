@@ -17,7 +17,6 @@ foreign install, a bad setting under ``SMEMGUARD=strict``), one line on stderr a
 unguarded. The settings are smemguard's own (``SMEMGUARD_*``, read by ``smemguard.install()``).
 """
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -57,7 +56,7 @@ def _chain():
     spec.loader.exec_module(module)  # its error is reported by site as "Error in sitecustomize", as without us
 
 
-class _ThenInstall(importlib.abc.Loader):
+class _ThenInstall:  # no importlib.abc base: that module imports importlib.resources and pathlib, in every process
     """Triton's own loader, then :func:`_install` once Triton's module has run."""
 
     def __init__(self, loader):
@@ -74,7 +73,7 @@ class _ThenInstall(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _OnTritonImport(importlib.abc.MetaPathFinder):
+class _OnTritonImport:
     """First on ``sys.meta_path``: hands back the spec the other finders give for ``triton``, with
     :class:`_ThenInstall` as its loader. Every other name, and ``triton`` once it was found, it passes on."""
 
