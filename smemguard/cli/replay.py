@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from ..facts import gpus, untrusted
+from ..facts import gpus, process, untrusted
 from ..facts.settings import Settings
 from ..facts.untrusted import NAME, OBJECT, SCALAR, TEXT, Expect, integer, one_of, printable, shown
 from ..kernels import introspect
@@ -383,6 +383,9 @@ def _replay_compile_only(obj, jit, record: dict, limit: int, say) -> int:
     from ..testing import fake_gpu
 
     arch = record["device"]["arch"]
+    problem = gpus.compile_problem(arch, process.triton_version())
+    if problem is not None:
+        raise ReplayError(f"no GPU here, and {problem}")
     if isinstance(arch, str):
         from ..preflight.compiling import hip_compile_problem
 
