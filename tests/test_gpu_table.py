@@ -47,6 +47,7 @@ def test_smemguard_max_shared_takes_each_by_name(name):
     loaded = settings.load({settings.MAX_SHARED: SPELLINGS[name][0]})
     assert loaded.problems == ()
     assert (loaded.max_shared, loaded.max_shared_label) == (FIELD_GPUS[name][1], name)
+    assert loaded.emulated_gpu is gpus.lookup(name)
 
 
 def test_shared_memory_per_sm_follows_the_cuda_guide():

@@ -438,8 +438,9 @@ def _replay_on_gpu(jit, record: dict, limit: int, say) -> int:
     from triton.runtime.errors import OutOfResources
 
     launch = _launcher(jit, record, "cuda")
-    device_limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    say(f"GPU {torch.cuda.get_device_name(0)} ({device_limit} B per block); emulating {limit} B")
+    device = process.own_device_properties(0)
+    device_limit = device.shared_memory_per_block_optin
+    say(f"GPU {device.name} ({device_limit} B per block); emulating {limit} B")
     reference = None
     if record["required"] <= device_limit:
         jit.device_caches.clear()
