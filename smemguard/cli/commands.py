@@ -36,8 +36,10 @@ examples:
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>,
-SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists). See the README. Every command reports
-a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict it then stops (2).
+SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists), SMEMGUARD_EMULATE_PROPERTIES=0 (under
+SMEMGUARD_MAX_SHARED, torch and vLLM report the device's own shared memory and name). See the README.
+Every command reports a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict
+it then stops (2).
 
 exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
 replay: the record did not replay as recorded); 2 bad input: a usage error, a missing or unreadable

@@ -82,6 +82,8 @@ def emulated_figures(settings, properties) -> dict:
     """The attributes of ``properties`` (the device's) that the emulation under ``settings`` changes."""
     figures = {}
     limit = settings.max_shared
+    if limit is None or not settings.emulate_properties:  # a layer kept alive by another tool, under a later install
+        return figures
     if hasattr(properties, "shared_memory_per_block_optin") and limit < properties.shared_memory_per_block_optin:
         figures["shared_memory_per_block_optin"] = limit
     gpu = settings.emulated_gpu

@@ -34,8 +34,13 @@ _LAYER = Layer(_MODULE, _FUNCTION, rebind=True)
 def _lower_of_device_and_emulated(wrapped, instance, args, kwargs):
     device_limit = wrapped(*args, **kwargs)
     engine = PATCH.engine
-    limit = engine.settings.max_shared if engine is not None else None
-    return device_limit if limit is None or process.device_as_is else min(device_limit, limit)
+    settings = engine.settings if engine is not None else None
+    if settings is None or settings.max_shared is None or not settings.emulate_properties or process.device_as_is:
+        return device_limit
+    try:
+        return min(device_limit, settings.max_shared)
+    except TypeError:  # not a number: vLLM's own answer, as it gave it
+        return device_limit
 
 
 def _forget_the_cached_answer() -> None:
