@@ -20,6 +20,11 @@ a real compile that shares ``cache_dir``.
         my_kernel[grid](x, y, n, BLOCK=256)   # raises OutOfResources if it would on an L4
         assert gpu.launches[-1].shared <= 101376
 
+``fake_gpu("H100", torch_device=True)`` makes torch report the stand-in too (``torch.cuda.is_available()``,
+``get_device_properties``, ``get_device_name``, ``get_device_capability``), and vLLM's own query of the per-block
+limit, for code that sizes itself from them (SGLang's fused-MoE default, vLLM's prefill attention); with smemguard
+installed under ``SMEMGUARD_MAX_SHARED=L4`` they then report the emulated L4, as on a real H100.
+
 Checked against Triton 3.4 to 3.9. Triton 3.4 links AMD code objects with an external
 ``ld.lld`` of LLVM 16 or newer (ROCm's, or Debian's ``lld-19`` named by ``TRITON_HIP_LLD_PATH``);
 3.5 and later link them themselves.
@@ -51,6 +56,7 @@ class FakeGpu:
 
     arch: int | str  # Triton's target arch: 89, or "gfx942"
     max_shared: int
+    name: str | None = None  # the table's name ("L4"); None for a bare arch
     multiprocessor_count: int = 132
     max_threads: int = 1024
     launches: list[RecordedLaunch] = field(default_factory=list)
@@ -63,6 +69,45 @@ class FakeGpu:
     @property
     def warp_size(self) -> int:
         return gpus.warp_size(self.arch)
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        """(8, 9) for sm_89; what torch reports on ROCm for a gfx arch: (9, 4) for gfx942."""
+        arch = self.arch
+        return divmod(arch, 10) if isinstance(arch, int) else (int(arch[3:-2]), int(arch[-2], 16))
+
+
+#: The shared memory every CUDA block gets without opting in.
+_STATIC_SHARED = 49152
+
+
+@dataclass(frozen=True)
+class TorchProperties:
+    """What ``torch.cuda.get_device_properties`` reports for the stand-in (the attributes libraries read)."""
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    warp_size: int
+    shared_memory_per_block: int
+    shared_memory_per_block_optin: int
+    shared_memory_per_multiprocessor: int
+    max_threads_per_multi_processor: int = 2048
+    regs_per_multiprocessor: int = 65536
+    total_memory: int = 80 * 2**30
+    is_integrated: int = 0
+    gcnArchName: str = ""  # noqa: N815 (torch's name)
+
+    @classmethod
+    def of(cls, gpu: FakeGpu) -> "TorchProperties":
+        known = gpus.lookup(gpu.name) if gpu.name else None
+        name = known.device_name if known else f"smemguard stand-in {gpu.arch}"
+        per_sm = (known.shared_per_sm if known else None) or gpu.max_shared
+        hip = gpu.backend == "hip"
+        return cls(name, *gpu.capability, gpu.multiprocessor_count, gpu.warp_size,
+                   gpu.max_shared if hip else min(_STATIC_SHARED, gpu.max_shared), gpu.max_shared, per_sm,
+                   gcnArchName=gpu.arch if hip else "")
 
 
 class _Launcher:
@@ -145,9 +190,7 @@ class _Driver:
         return 0
 
     def get_device_capability(self, device=None) -> tuple[int, int]:
-        """(8, 9) for sm_89; what torch reports on ROCm for a gfx arch: (9, 4) for gfx942."""
-        arch = self._gpu.arch
-        return divmod(arch, 10) if isinstance(arch, int) else (int(arch[3:-2]), int(arch[-2], 16))
+        return self._gpu.capability
 
     def get_benchmarker(self):
         gpu = self._gpu
@@ -246,14 +289,61 @@ def _ptx_not_assembled() -> Iterator[None]:
         CUDABackend.add_stages, CUDABackend.hash = add_stages, backend_hash
 
 
+def _cleared_device_caches() -> None:
+    """Forget what was cached of the device (it changes with each stand-in): smemguard's name of it, and vLLM's
+    per-block limit where vLLM is imported."""
+    import sys
+
+    from .facts import process
+
+    process.gpu_name.cache_clear()
+    cached = getattr(sys.modules.get("vllm.utils.mem_utils"), "get_max_shared_memory_bytes", None)
+    getattr(cached, "cache_clear", lambda: None)()
+
+
+@contextlib.contextmanager
+def _torch_reports(device: FakeGpu) -> Iterator[None]:
+    """torch.cuda (and vLLM's C query, where vLLM is imported) reporting the stand-in: what lies under smemguard's
+    layers on ``get_device_properties`` and ``get_max_shared_memory_bytes``, replaced, and put back after."""
+    import importlib
+    import sys
+
+    import torch
+
+    properties = TorchProperties.of(device)
+    stand_ins = {(torch.cuda, "is_available"): lambda: True, (torch.cuda, "device_count"): lambda: 1,
+                 (torch.cuda, "current_device"): lambda: 0, (torch.cuda, "_lazy_init"): lambda: None,
+                 (torch.cuda, "_get_device_properties"): lambda index: properties,
+                 (torch.cuda, "is_current_stream_capturing"): lambda: False}
+    if "vllm" in sys.modules:
+        with contextlib.suppress(ImportError):
+            ops = importlib.import_module("vllm._custom_ops")
+            stand_ins[ops, "get_max_shared_memory_per_block_device_attribute"] = lambda index: device.max_shared
+    missing = object()
+    saved = {(owner, name): vars(owner).get(name, missing) for owner, name in stand_ins}
+    for (owner, name), value in stand_ins.items():
+        setattr(owner, name, value)
+    _cleared_device_caches()
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        _cleared_device_caches()
+
+
 @contextlib.contextmanager
 def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir: str | None = None,
-             max_threads: int = 1024) -> Iterator[FakeGpu]:
+             max_threads: int = 1024, torch_device: bool = False) -> Iterator[FakeGpu]:
     """Make Triton compile for and "launch" on a stand-in GPU.
 
     ``gpu`` is a name from :mod:`smemguard.facts.gpus` (NVIDIA or AMD: "L4", "MI300X") or an
     integer NVIDIA arch (89). ``max_shared`` overrides the table's limit. ``cache_dir`` is
-    Triton's cache (default: a fresh temp dir).
+    Triton's cache (default: a fresh temp dir). ``torch_device``: torch (and vLLM's query of the
+    limit) report the stand-in too (see the module's docstring).
     """
     from triton import knobs
     from triton.compiler import compiler
@@ -269,13 +359,19 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
         arch, limit = known.target_arch, max_shared or known.max_shared
     if limit is None:
         raise ValueError("fake_gpu(arch) needs max_shared=")
+    from .facts import process
+
+    problem = gpus.compile_problem(arch, process.triton_version())
+    if problem is not None:
+        raise RuntimeError(f"fake_gpu({gpu!r}): {problem}")
     if isinstance(arch, str):
         from .preflight.compiling import hip_compile_problem
 
         problem = hip_compile_problem()
         if problem is not None:
             raise RuntimeError(f"fake_gpu({gpu!r}): {problem}")
-    device = FakeGpu(arch=arch, max_shared=limit, max_threads=max_threads)
+    device = FakeGpu(arch=arch, max_shared=limit, name=None if isinstance(gpu, int) else known.name,
+                     max_threads=max_threads)
     # The driver config is a plain object in every version; saving its fields restores
     # exactly what was there, without creating the real driver on a machine that has none.
     saved_driver = dict(vars(driver))
@@ -285,6 +381,8 @@ def fake_gpu(gpu: str | int = "L4", *, max_shared: int | None = None, cache_dir:
         stack.enter_context(knobs.cache.scope())
         knobs.cache.dir = cache_dir
         stack.enter_context(_ptx_not_assembled())
+        if torch_device:
+            stack.enter_context(_torch_reports(device))
         driver.set_active(_Driver(device))
         compiler.max_shared_mem.cache_clear()
         _forget_compiled_kernels()

@@ -59,7 +59,8 @@ def test_demo_shows_the_autotune_trap_on_an_amd_gpu(capsys, clean_tmp):
 
 
 #: Where tuning on misaligned views hides nothing, the winner comes from a bigger GPU.
-TUNED_ELSEWHERE = {"V100": "A100", "T4": "A100", "MI350X": "H100", "RX7900XTX": "H100"}
+TUNED_ELSEWHERE = {"V100": "A100", "T4": "A100", "MI350X": "H100", "RX7900XTX": "H100", "MI100": "H100",
+                   "RX7700S": "H100", "StrixHalo": "H100", "RX9070": "H100"}
 
 
 @pytest.mark.parametrize("gpu", _one_gpu_per_target_and_limit(besides=("L4", "MI300X")))
@@ -120,11 +121,12 @@ def test_demo_honours_smemguard_mode(monkeypatch, capsys, mode, after):
 def test_gpus_table_and_json(capsys):
     assert commands.main(["gpus"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["GPU", "aliases", "arch", "bytes/block"]
-    assert any(line.split()[:1] == ["L4"] and line.split()[-2:] == ["sm_89", "101376"] for line in lines)
+    assert lines[0].split() == ["GPU", "aliases", "arch", "bytes/block", "bytes/SM", "tensor", "memory", "(columns)"]
+    assert any(line.split() == ["L4", "-", "sm_89", "101376", "102400", "-"] for line in lines)
     assert commands.main(["gpus", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert {"name": "T4", "aliases": [], "arch": "sm_75", "max_shared": 65536} in table
+    assert {"name": "T4", "aliases": [], "arch": "sm_75", "max_shared": 65536, "shared_per_sm": 65536,
+            "tensor_memory": None, "compile_problem": None} in table
 
 
 def test_help_teaches_the_commands_settings_and_exit_statuses(capsys):
@@ -149,7 +151,7 @@ def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys)
         "smemguard: SMEMGUARD='bogus' ignored: unknown mode; accepted: on | off | observe | strict. Using the default.",
         "smemguard: SMEMGUARD_CACHEDIR is not a smemguard setting (did you mean SMEMGUARD_CACHE_DIR?); known: "
         "SMEMGUARD, SMEMGUARD_MAX_SHARED, SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR, SMEMGUARD_METRICS_FILE, "
-        "SMEMGUARD_DISABLE."]
+        "SMEMGUARD_DISABLE, SMEMGUARD_EMULATE_PROPERTIES."]
 
 
 def test_an_unknown_patch_in_smemguard_disable_is_reported_like_an_unknown_setting(monkeypatch, capsys, caplog):

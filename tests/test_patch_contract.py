@@ -21,6 +21,13 @@ STAND_INS = {
     "vllm/model_executor/determinism/batch_invariant.py":
         "from kernels import vllm_style_persistent_matmul as matmul_kernel_persistent\n",
     "vllm/utils/__init__.py": "",
+    "vllm/utils/mem_utils.py": textwrap.dedent("""
+        import functools
+
+        @functools.cache
+        def get_max_shared_memory_bytes(gpu=0):
+            return 232448
+        """),
     "vllm/utils/deep_gemm.py":
         "def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms, indices=None):\n    return None\n",
     "vllm/v1/__init__.py": "",
@@ -268,6 +275,19 @@ EXERCISE = {
         def exercise(round_):
             import vllm.utils.deep_gemm as module
             module.get_paged_mqa_logits_metadata(None, 64, 132)
+    """,
+    "torch_device_properties": """
+        import torch
+        from smemguard.testing import fake_gpu
+
+        def exercise(round_):
+            with fake_gpu("L4", cache_dir=CACHE, torch_device=True):
+                torch.cuda.get_device_properties(0)
+    """,
+    "vllm_shared_memory": """
+        def exercise(round_):
+            import vllm.utils.mem_utils as module
+            module.get_max_shared_memory_bytes()
     """,
     "vllm_unified_attention": """
         def exercise(round_):

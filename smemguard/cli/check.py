@@ -74,6 +74,13 @@ examples:
   smemguard check kernels.py:matmul --gpu L20 --meta BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=4
       one plain @triton.jit kernel, one config
   smemguard check my_pkg.ops:moe --gpu L4 --one N --sig scale=fp32 --dtype bf16
+  smemguard check my_pkg.kernels --gpu L4,L40S,MI355X --exact --json > before.json
+  (after 'pip install -U triton', or in the new image:)
+  smemguard check my_pkg.kernels --gpu L4,L40S,MI355X --exact --json > after.json
+  smemguard check --compare before.json after.json
+      a Triton upgrade's diff: per kernel, config, GPU and specialization, the bytes before and after, the
+      configs that newly overflow a GPU and the kernels newly left without a fitting config; exit status 1
+      when something that fit no longer does (0 otherwise, 2 when a report cannot be used): a CI gate
   smemguard check my_pkg.kernels --gpu L4,T4 --decisions l4-t4.json
       also write, for every config that overflows, the decision recovery would take on that GPU
       (fewer stages, or another config of the kernel's list, compiled to fit on a stand-in of the
@@ -147,7 +154,7 @@ def parse_gpus(texts: Iterable[str]) -> list[gpus.Gpu]:
     from ..preflight import TargetError
 
     chosen = []
-    for name in (name for text in texts for name in _names(text)):
+    for name in (name for text in texts or () for name in _names(text)):
         gpu = gpus.lookup(name)
         if gpu is None:
             raise TargetError(f"unknown GPU {name!r}; known: {', '.join(gpus.names())} (see 'smemguard gpus')")
@@ -274,8 +281,14 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
                         help="a module (pkg.kernels), a package (pkg: the kernels each of its modules defines), a "
                              "kernel in a module (pkg.kernels:matmul), or a file (kernels.py, kernels.py:matmul)")
     parser.add_argument("--examples", action="store_true", help="also check smemguard's example kernels")
-    parser.add_argument("--gpu", action="append", required=True, metavar="GPU[,GPU...]",
-                        help="GPUs to check against, by name or alias from 'smemguard gpus' (L4, A100, H100, ...)")
+    parser.add_argument("--gpu", action="append", metavar="GPU[,GPU...]",
+                        help="GPUs to check against, by name or alias from 'smemguard gpus' (L4, A100, H100, ...); "
+                             "needed unless --compare")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("OLD.json", "NEW.json"),
+                        help="compare two reports of 'check --json' (made in two environments, e.g. before and after "
+                             "a Triton upgrade) instead of checking: the bytes of each config before and after, and "
+                             "what newly overflows (exit status 1); --json prints the comparison as JSON (schema "
+                             "smemguard.compare/1). Make both with --exact: estimated verdicts hide bytes")
     parser.add_argument("--meta", action="append", metavar="NAME=VALUE,...",
                         help="one config: constexprs and num_warps/num_stages (what is accepted: 'configs' "
                              "below); repeat for more (replaces an autotuner's list)")
@@ -302,8 +315,22 @@ def add_check_command(subparsers) -> argparse.ArgumentParser:
                              "atomically), for 'smemguard cache import FILE'")
     parser.add_argument("--json", action="store_true", help="print the JSON document (schema smemguard.check/1)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    parser.set_defaults(run=run_check)
+    parser.set_defaults(run=_check_or_compare)
     return parser
+
+
+def _check_or_compare(args) -> int:
+    """``check --compare OLD NEW`` compares two reports and checks nothing; else the check."""
+    if args.compare is None:
+        return run_check(args)
+    from ..preflight import compare
+
+    if args.targets or args.examples or args.gpu:
+        print("smemguard check: --compare takes two reports and checks nothing: leave out TARGET, --examples and "
+              "--gpu (make each report with 'smemguard check TARGET --gpu ... --json > FILE')", file=sys.stderr)
+        return 2
+    return compare.run(*args.compare, as_json=args.json, quiet=args.quiet, say=print,
+                       err=lambda line: print(line, file=sys.stderr))
 
 
 def _progress_printer(every: float = 1.0) -> Callable[[Progress], None]:

@@ -35,8 +35,10 @@ examples:
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>,
-SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists). See the README. Every command reports
-a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict it then stops (2).
+SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists), SMEMGUARD_EMULATE_PROPERTIES=0 (under
+SMEMGUARD_MAX_SHARED, torch and vLLM report the device's own shared memory and name). See the README.
+Every command reports a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict
+it then stops (2).
 
 exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
 replay: the record did not replay as recorded); 2 bad input: a usage error, a missing or unreadable
@@ -74,15 +76,23 @@ VERSIONS_EXIT = "exit status: 0.\n"
 
 
 def _gpus(args) -> int:
-    rows = [(g.name, ", ".join(g.aliases) or "-", g.arch, str(g.max_shared)) for g in gpus.GPUS]
+    from ..facts import versions
+
+    triton = versions.installed("triton")
+    problems = {gpu.name: gpus.compile_problem(gpu.arch, triton) for gpu in gpus.GPUS}
     if args.json:
-        print(json.dumps([{"name": g.name, "aliases": list(g.aliases), "arch": g.arch, "max_shared": g.max_shared}
-                          for g in gpus.GPUS], indent=2))
+        print(json.dumps([{"name": g.name, "aliases": list(g.aliases), "arch": g.arch, "max_shared": g.max_shared,
+                           "shared_per_sm": g.shared_per_sm, "tensor_memory": g.tensor_memory,
+                           "compile_problem": problems[g.name]} for g in gpus.GPUS], indent=2))
         return 0
-    header = ("GPU", "aliases", "arch", "bytes/block")
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
+    rows = [(g.name + ("*" if problems[g.name] else ""), ", ".join(g.aliases) or "-", g.arch, str(g.max_shared),
+             str(g.shared_per_sm or "-"), str(g.tensor_memory or "-")) for g in gpus.GPUS]
+    header = ("GPU", "aliases", "arch", "bytes/block", "bytes/SM", "tensor memory (columns)")
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for problem in dict.fromkeys(problem for problem in problems.values() if problem):
+        print(f"* {problem}: check, demo and fake_gpu refuse these GPUs here")
     return 0
 
 
@@ -346,8 +356,12 @@ def _add_demo_command(commands) -> None:
 def _add_gpus_command(commands) -> None:
     """Add ``gpus``: the GPUs smemguard knows and their limits."""
     table = commands.add_parser("gpus", help="list the GPUs smemguard knows and their per-block shared-memory limits",
-                                description="The per-block opt-in shared-memory limit Triton checks, per GPU. Any "
-                                            "name or alias is accepted by SMEMGUARD_MAX_SHARED.", epilog=GPUS_EXIT)
+                                description="The per-block opt-in shared-memory limit Triton checks, per GPU, the "
+                                            "shared memory per SM (NVIDIA) and the tensor-memory columns a block may "
+                                            "use (sm_100 family and Rubin). Any name or alias is accepted by "
+                                            "SMEMGUARD_MAX_SHARED, check --gpu and demo --gpu; a GPU marked * is one "
+                                            "the installed Triton cannot compile for (the line under the table says "
+                                            "why).", epilog=GPUS_EXIT)
     table.add_argument("--json", action="store_true", help="machine-readable output")
     table.set_defaults(run=_gpus)
 

@@ -109,6 +109,9 @@ def _why_no_demo(gpu_name: str, gpu: gpus.Gpu | None) -> str | None:
     """Why the demo cannot stand in for ``gpu_name`` (``gpu`` as looked up) on this machine, or None."""
     if gpu is None:
         return f"{gpu_name!r} is not a GPU from 'smemguard gpus'; one of: {', '.join(gpus.names())}"
+    problem = gpus.compile_problem(gpu.arch, process.triton_version())
+    if problem is not None:
+        return f"cannot compile for the {gpu.name} here: {problem}"
     if gpu.backend == "hip":
         from ..preflight.compiling import hip_compile_problem
 

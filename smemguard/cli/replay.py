@@ -29,7 +29,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from ..facts import gpus, untrusted
+from ..facts import gpus, process, untrusted
 from ..facts.settings import Settings
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, one_of, printable, shown
 from ..store import decision_cache, record_fields
@@ -290,6 +290,9 @@ def _recovery_as_recorded(record: dict, launch, limit: int, scratch: str, say) -
 
 def _stand_in(arch):
     """What :func:`smemguard.testing.fake_gpu` stands in for to compile for the recorded ``arch``."""
+    problem = gpus.compile_problem(arch, process.triton_version())
+    if problem is not None:
+        raise ReplayError(f"cannot compile the record here: {problem}")
     if not isinstance(arch, str):
         return arch
     from ..preflight.compiling import hip_compile_problem
@@ -352,8 +355,9 @@ def _replay_on_gpu(jit, record: dict, launch, limit: int, say) -> int:
     import torch
     from triton.runtime.errors import OutOfResources
 
-    device_limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    say(f"GPU {torch.cuda.get_device_name(0)} ({device_limit} B per block); emulating {limit} B")
+    device = process.own_device_properties(0)
+    device_limit = device.shared_memory_per_block_optin
+    say(f"GPU {device.name} ({device_limit} B per block); emulating {limit} B")
     reference = None
     if record["required"] <= device_limit:
         jit.device_caches.clear()

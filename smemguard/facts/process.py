@@ -100,14 +100,24 @@ def current_device() -> int:
 
 @functools.lru_cache(maxsize=None)
 def gpu_name(device: int) -> str | None:
-    """torch's name of the CUDA device (``"NVIDIA H200"``), or None without CUDA."""
+    """torch's name of the CUDA device (``"NVIDIA H200"``, the device's own under an emulated GPU), or None
+    without CUDA."""
     try:
         import torch
 
-        return torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
+        return own_device_properties(device).name if torch.cuda.is_available() else None
     except Exception:
         log.debug("no device name", exc_info=True)
         return None
+
+
+def own_device_properties(device: int):
+    """``torch.cuda.get_device_properties(device)`` as the device reports them, whatever GPU is emulated (what
+    smemguard itself records and compares, never what it shows the libraries)."""
+    import torch
+
+    with device_as_is.scope():
+        return torch.cuda.get_device_properties(device)
 
 
 def device_description(device: int) -> dict:
@@ -304,6 +314,10 @@ class TimedChoice(NamedTuple):
 #: What an autotuner is timing on this thread: the ``triton.Config`` of ``Autotuner._bench``
 #: (``patches/autotuner_bench``) or Inductor's :class:`TimedChoice`; None outside a benchmark.
 benchmarking = ThreadValue()
+
+#: Set while smemguard reads what the device itself reports (:func:`own_device_properties`): the emulated view
+#: of the device (``patches/torch_device_properties``) stands aside.
+device_as_is = ThreadFlag()
 
 
 class ProcessFlag(ThreadFlag):

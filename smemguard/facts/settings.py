@@ -42,7 +42,13 @@ METRICS_FILE = "SMEMGUARD_METRICS_FILE"
 #: (``kernel_warmup,flaggems``): for an operator who suspects one patch. The rest still apply.
 DISABLE = "SMEMGUARD_DISABLE"
 
-KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE, DISABLE)
+#: ``0`` (or off, false, no): under ``SMEMGUARD_MAX_SHARED``, torch's device properties stay the device's own.
+#: Default on: they report the emulated GPU (``patches/torch_device_properties``), as vLLM's own shared-memory
+#: query does (``patches/vllm_shared_memory``), so that libraries sizing themselves from them choose what they
+#: would choose there.
+EMULATE_PROPERTIES = "SMEMGUARD_EMULATE_PROPERTIES"
+
+KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE, DISABLE, EMULATE_PROPERTIES)
 
 
 class SettingsError(ValueError):
@@ -59,6 +65,7 @@ class Settings:
     problems: tuple[str, ...] = ()  # one line each, ready to log
     metrics_file: Path | None = None
     disabled: tuple[str, ...] = ()  # patch modules named in SMEMGUARD_DISABLE (unknown names are reported at install)
+    emulate_properties: bool = True  # SMEMGUARD_EMULATE_PROPERTIES: what the device reports follows the emulation
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +82,12 @@ class Settings:
     def problem_of(self, var: str) -> str | None:
         """The problem line of ``var``'s rejected value, or None."""
         return next((problem for problem in self.problems if problem.startswith(f"{var}=")), None)
+
+    @property
+    def emulated_gpu(self) -> gpus.Gpu | None:
+        """The GPU ``SMEMGUARD_MAX_SHARED`` names (``L4``), None for a byte count or none."""
+        label = self.max_shared_label
+        return None if self.max_shared is None or label is None or label.isdigit() else gpus.lookup(label)
 
     def describe_limit(self) -> str:
         if self.max_shared is None:
@@ -145,6 +158,19 @@ def _parse_max_shared(value: str | None, problems: list[str]) -> tuple[int | Non
                                  f"{smallest.max_shared} B; the value is bytes)", _limits_accepted()))
         return None, None
     return limit, label
+
+
+_YES, _NO = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def _parse_switch(var: str, value: str | None, problems: list[str]) -> bool:
+    """An on/off setting, on by default."""
+    if value is None or value.strip() == "" or value.strip().lower() in _YES:
+        return True
+    if value.strip().lower() in _NO:
+        return False
+    problems.append(_problem(var, value, "neither on nor off", " | ".join(_YES + _NO)))
+    return True
 
 
 def _unwritable_reason(path: Path) -> str | None:
@@ -277,9 +303,10 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     cache_dir = _parse_cache_dir(environ.get(CACHE_DIR), environ, problems)
     metrics_file = _parse_metrics_file(environ.get(METRICS_FILE), problems)
     disabled = _parse_disable(environ.get(DISABLE), problems)
+    emulate_properties = _parse_switch(EMULATE_PROPERTIES, environ.get(EMULATE_PROPERTIES), problems)
     problems.extend(_unknown_variables(environ))
     return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file,
-                    disabled=disabled)
+                    disabled=disabled, emulate_properties=emulate_properties)
 
 
 def with_absolute_paths(environ: Mapping[str, str]) -> dict[str, str]:

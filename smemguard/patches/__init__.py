@@ -35,6 +35,7 @@ TRITON_CHECKED = ("3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0")
 #: Every patch module, in the order they are applied (and removed in reverse).
 MODULES = (
     "max_shared_mem",
+    "torch_device_properties",
     "autotuner_bench",
     "jit_compile",
     "triton_compile",
@@ -46,6 +47,7 @@ MODULES = (
     "vllm_unified_attention",
     "vllm_prefill_attention",
     "vllm_prefix_prefill",
+    "vllm_shared_memory",
     "sglang_extend_attention",
     "sglang_prefill_attention",
     "lmdeploy_flash_attention",

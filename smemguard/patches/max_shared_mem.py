@@ -6,8 +6,8 @@ Why: ``CompiledKernel._init_handles`` compares ``metadata.shared`` with
 limit)`` there makes a big GPU raise Triton's own ``OutOfResources`` exactly where a small
 one would, so the failures of an L4 reproduce on an H200.
 
-Only the limit Triton enforces changes. Code that picks its configs from
-``get_device_properties()`` still sees the real GPU. The emulated limit is kept in
+Only the limit Triton enforces changes here; what torch and vLLM report of the device follows in
+``patches/torch_device_properties`` and ``patches/vllm_shared_memory``. The emulated limit is kept in
 :mod:`smemguard.facts.process`, where the engine reads it.
 
 The same function, an ``lru_cache`` over the device index, in every release checked.

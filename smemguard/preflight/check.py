@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from .._version import __version__
 from ..facts import gpus
+from ..facts.process import triton_version
 from ..kernels import introspect
 from ..kernels.estimate import Estimate, estimate, stages_change_bytes
 from ..kernels.parameters import PIPELINE_DEPTH, knobs_of
@@ -348,7 +349,9 @@ def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: 
     cache = cache or ResultCache(None)
     jobs = max(1, jobs or os.cpu_count() or 1)
     amd_problem = hip_compile_problem() if any(gpu.backend == "hip" for gpu in gpu_list) else None
-    unchecked = {gpu.name: amd_problem for gpu in gpu_list if gpu.backend == "hip" and amd_problem}
+    problems = {gpu.name: gpus.compile_problem(gpu.arch, triton_version()) or (amd_problem if gpu.backend == "hip"
+                                                                                else None) for gpu in gpu_list}
+    unchecked = {name: problem for name, problem in problems.items() if problem}
     groups, items = _plan(kernels, _limits_by_arch(gpu_list, unchecked), cache, exact)
     cache_hits = sum(item.how == CACHED for item in items.values())
     compiler = Compiler(jobs, import_timeout)
