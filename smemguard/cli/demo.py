@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._version import __version__
-from ..facts import files, gpus, untrusted
+from ..facts import files, gpus, process, untrusted
 
 
 def _step(text: str) -> float:
