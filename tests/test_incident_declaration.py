@@ -24,7 +24,7 @@ SOURCES = {
     record_fields.DESCRIBED_COMPILE: ("kernels/recorded.py", "compile_fields"),
     record_fields.COMPILE: "engine/compile_fit.py",
     record_fields.INDUCTOR: "engine/inductor.py",
-    record_fields.FLEX: "patches/inductor_flex_configs.py",
+    record_fields.FLEX: "engine/flex.py",
     record_fields.PATCHED_WRAPPER: "patches/_tile_choice.py",
     record_fields.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
     record_fields.DEEPGEMM: "patches/deepgemm_metadata.py",

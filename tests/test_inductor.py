@@ -322,7 +322,7 @@ def test_a_bound_equal_to_the_limit_is_halved(kind, config, head_dim, dtype, exp
     import torch
     from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
 
-    from smemguard.patches import inductor_flex_configs as flex
+    from smemguard.engine import flex
 
     made = (FlexBwDConfig if kind == "backward" else FlexConfig)(*config)
     assert flex.one_stage_bytes(kind, made, head_dim, getattr(torch, dtype)) >= 65536
@@ -334,7 +334,7 @@ def test_the_one_stage_bound_is_the_measured_backward_and_under_the_measured_for
     import torch
     from torch._inductor.template_heuristics.triton import FlexBwDConfig, FlexConfig
 
-    from smemguard.patches import inductor_flex_configs as flex
+    from smemguard.engine import flex
 
     # H200, Triton 3.6, torch 2.11 (docs/BENCHMARKS.md): backward D=256 bf16 (64, 64, 64, 64) at one stage
     # 131072 B; forward D=256 fp32 (32, 32) at one stage 69632 B; forward D=128 bf16 (128, 64) 98304 B at two.

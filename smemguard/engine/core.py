@@ -131,6 +131,18 @@ class Engine:
                               "decision to a torch.compile kernel; Inductor loads it as compiled (smemguard's bug: "
                               "please report it)", exc_info=True)
 
+    def on_flex_configs(self, kind: str, configs: list, head_dim: int, dtype, started: float, steps) -> list:
+        """FlexAttention's ``configs`` for ``kind`` (forward, backward) with each that cannot fit at any stage count
+        replaced by the largest halving of its tiles that can (:mod:`.flex`); ``configs`` as given when closed or
+        when a step of smemguard's own fails (``steps`` logs it)."""
+        from . import flex
+
+        if self.closed:
+            return configs
+        with steps.skippable("offer tiles that can fit"):
+            return flex.offer_fitting(self, kind, configs, head_dim, dtype, started, steps)
+        return configs
+
     def close(self) -> None:
         """Pass everything through from now on; forget the decisions taken, what the patches and declared wrappers
         learnt (:attr:`memory`), and the kernels put into Triton's JIT caches."""

@@ -99,6 +99,10 @@ class Port(Protocol):
         """True when variants that fit were loaded in place of ``configs``, False when none fits, None when
         smemguard has no answer."""
 
+    def on_flex_configs(self, kind: str, configs: list, head_dim: int, dtype, started: float, steps) -> list:
+        """FlexAttention's ``configs`` of ``kind`` with each that cannot fit at any stage count replaced by the
+        largest halving of its tiles that can, before Inductor renders them."""
+
 
 class Patch:
     """One patch's contract as data, and ``patch``/``unpatch``/``is_patched`` for it.
