@@ -25,7 +25,7 @@ name: the Triton and ROCm attention backends): a ``try`` around the call. When a
 wrapper chose, the choice is halved for the call's shape class (query dtype and head size, per
 device and limit) and the call runs again. ``get_block_size`` gets a layer (from the first such
 decision on) that returns the smaller tile when ``context_attention_fwd`` asks for that class (the
-head size is read from the wrapper's frame, its ``Lk``), so later calls of that class choose it at
+head size is read from the wrapper's frame, its keys' last size), so later calls of that class choose it at
 once. One incident record (``"action": "tiles_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
@@ -67,8 +67,9 @@ def _dtype(dtype):
 
 
 def _choice_shape(args, kwargs, frame) -> tuple:
-    """The shape class of a ``get_block_size(dtype)`` call by the wrapper: the dtype and the call's head size."""
-    return _dtype(*args, **kwargs), frame.f_locals["Lk"]
+    """The shape class of a ``get_block_size(dtype)`` call by the wrapper: the dtype and the call's head size, read
+    from its keys (releases before 0.32 choose before they compute ``Lk = k.shape[-1]``)."""
+    return _dtype(*args, **kwargs), frame.f_locals["k"].shape[-1]
 
 
 def _launch_shape(args, kwargs) -> tuple:
@@ -94,8 +95,10 @@ def _chooses_by_dtype(module) -> bool:
     return tuple(inspect.signature(getattr(module, TILE_CHOICE)).parameters) == ("dtype",)
 
 
-def _wrapper_knows_the_head_size(module) -> bool:
-    return "Lk" in inspect.unwrap(getattr(module, WRAPPER)).__code__.co_varnames
+def _wrapper_takes_the_keys(module) -> bool:
+    """The wrapper's keys ``k`` (whose last size is the head size its ``Lk`` is), and ``Lk`` passed to the kernel."""
+    wrapper = inspect.unwrap(getattr(module, WRAPPER))
+    return "k" in inspect.signature(wrapper).parameters and "Lk" in wrapper.__code__.co_varnames
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
@@ -104,7 +107,7 @@ PATCH = TileChoice(
     checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("BLOCK_M", "BLOCK_N"), masked=("BLOCK_M", "BLOCK_N"),
                     reads=((f"{TILE_CHOICE}(dtype)", _chooses_by_dtype),
-                           (f"{WRAPPER} with a local Lk", _wrapper_knows_the_head_size))),
+                           (f"{WRAPPER}(q, k, ...) with a local Lk", _wrapper_takes_the_keys))),
     wrapper=WRAPPER, choice=TILE_CHOICE, tile="BLOCK_M", shape_fields=("dtype", "head_size"),
     choice_shape=_choice_shape, launch_shape=_launch_shape, wrapper_tile=_wrapper_tile,
     smallest=lambda shape: _SMALLEST_BLOCK)
