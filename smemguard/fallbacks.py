@@ -230,16 +230,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
 
 
 def sglang_extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
-                            kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
-                            sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1,
-                            sinks=None, window_kv_offsets=None, xai_temperature_len=-1, lse_extend=None,
-                            skip_prefix=False, skip_extend=False, page_size=1, score_mod=None, aux_tensors=None,
-                            extend_seq_lens_cpu=None, identity_kv_indices=False, **newer):
+                            kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale=1.0,
+                            v_scale=1.0, sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True,
+                            sliding_window_size=-1, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
+                            lse_extend=None, skip_prefix=False, skip_extend=False, page_size=1, score_mod=None,
+                            aux_tensors=None, extend_seq_lens_cpu=None, identity_kv_indices=False, **newer):
     """SGLang 0.5's ``extend_attention_fwd`` in torch: for each sequence, its extend queries attend to its prefix
-    (``k_buffer``/``v_buffer`` rows ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, scaled by ``k_scale``/``v_scale``)
-    and to its own extend keys (causally when ``is_causal``); written into ``o_extend``. Declines a custom mask, a
-    sliding window, sinks, XAI temperature, the LSE output, skipped parts, paged buffers, a score mod and any
-    argument of a newer release."""
+    (``k_buffer``/``v_buffer`` rows ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, scaled by
+    ``k_scale``/``v_scale``, which releases before 0.5.10 do not take: unscaled) and to its own extend keys
+    (causally when ``is_causal``); written into ``o_extend``. Declines a custom mask, a sliding window, sinks, XAI
+    temperature, the LSE output, skipped parts, paged buffers, a score mod and any argument of a newer release."""
     if (newer or custom_mask is not None or sliding_window_size > 0 or sinks is not None or xai_temperature_len > 0
             or lse_extend is not None or skip_prefix or skip_extend or page_size != 1 or score_mod is not None
             or q_extend.shape[-1] != k_extend.shape[-1]):

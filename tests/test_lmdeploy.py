@@ -11,10 +11,15 @@ alternatives run (``patches/lmdeploy_flash_attention``, whose docstring says why
 attention; the GPU test below checks every one against LMDeploy's own tiles and a float64 reference). On a T4 not
 even 16x16 fits the absorbed MLA: the user gets Triton's error and a record that says so.
 
-Needs LMDeploy 0.18 (``pip install --no-deps lmdeploy==0.18.0`` and what its kernels' imports need: CI stage "4",
-Triton 3.6; LMDeploy 0.18 asks for Triton 3.4 to 3.7, and Triton 3.9 no longer compiles its block pointers).
-LMDeploy reads the capability through ``get_device_props``; the tests answer it as that GPU's process would. Launches
-on the harness execute nothing: the numbers are the GPU's to compare (benchmarks/field_suites.md)."""
+Needs LMDeploy 0.12 or later, whose wrapper is ``flash_attn_varlen_func`` (``pip install --no-deps
+lmdeploy==0.18.0`` and what its kernels' imports need: CI stage "4", Triton 3.6, which runs them again with LMDeploy
+0.16 first on ``PYTHONPATH``; LMDeploy asks for Triton 3.4 to 3.7, and Triton 3.9 no longer compiles its block
+pointers). LMDeploy 0.17 and later read the capability through ``get_device_props``, earlier releases once into
+``_nv_cap`` (and ask the device whether it has TMA at import: answered as an L4 here); the tests answer either as that
+GPU's process would. Launches on the harness execute nothing: the numbers are the GPU's to compare
+(benchmarks/field_suites.md)."""
+
+import importlib
 
 import pytest
 import torch
@@ -24,8 +29,25 @@ from smemguard.testing import fake_gpu
 
 from conftest import records
 
-attention = pytest.importorskip("lmdeploy.pytorch.kernels.cuda.flashattention",
-                                reason="LMDeploy is not installed (CI stage '4' installs it with Triton 3.6)")
+HOME = "lmdeploy.pytorch.kernels.cuda.flashattention"
+
+
+def _import_lmdeploy():
+    """LMDeploy's kernel module; releases before 0.17 ask the device at import whether it has TMA (no: an L4)."""
+    pytest.importorskip("lmdeploy", reason="LMDeploy is not installed (CI stage '4' installs it with Triton 3.6)")
+    try:
+        return importlib.import_module(HOME)
+    except (RuntimeError, AssertionError):
+        capability = torch.cuda.get_device_capability
+        torch.cuda.get_device_capability = lambda device=None: (8, 9)
+        try:
+            with fake_gpu("L4"):
+                return importlib.import_module(HOME)
+        finally:
+            torch.cuda.get_device_capability = capability
+
+
+attention = _import_lmdeploy()
 
 pytestmark = [pytest.mark.lmdeploy, pytest.mark.usefixtures("records_name_their_launch")]
 
@@ -40,7 +62,10 @@ def on_gpu(monkeypatch, triton_cache):
 
     def on(gpu: str):
         props = {"compute_capability": CAPABILITY[gpu], "multi_processor_count": 80}
-        monkeypatch.setattr(attention, "get_device_props", lambda device=None: props)
+        if hasattr(attention, "get_device_props"):
+            monkeypatch.setattr(attention, "get_device_props", lambda device=None: props)
+        else:
+            monkeypatch.setattr(attention, "_nv_cap", CAPABILITY[gpu])
         return fake_gpu(gpu, cache_dir=triton_cache)
 
     return on

@@ -13,6 +13,18 @@ from smemguard.facts.versions import Supported, parse
 
 from conftest import run_python
 
+# A kernel body that sizes its blocks with its tiles and masks every access they index: what the packs' safety
+# arguments read of the libraries' kernels (patches.Kernels).
+_TILED = """
+    offs = tl.arange(0, {m})[:, None] * {n} + tl.arange(0, {n})[None, :]
+    tl.store({ptr} + offs, tl.load({ptr} + offs, mask=offs < 1), mask=offs < 1)
+"""
+
+
+def _tiled(m: str, n: str, ptr: str) -> str:
+    return _TILED.format(m=m, n=n, ptr=ptr).strip("\n")
+
+
 # Packages with the module paths and parameters each library patch reads (not the libraries' code).
 STAND_INS = {
     "vllm/__init__.py": "__version__ = '0.33.0'\n",
@@ -35,12 +47,13 @@ STAND_INS = {
     "vllm/v1/attention/ops/__init__.py": "",
     "vllm/v1/attention/ops/triton_unified_attention.py": textwrap.dedent("""
         import triton
+        import triton.language as tl
 
         @triton.jit
         def kernel_unified_attention(output_ptr, query_ptr, TILE_SIZE: triton.language.constexpr,
                                      HEAD_SIZE: triton.language.constexpr, SLIDING_WINDOW: triton.language.constexpr,
                                      IS_3D: triton.language.constexpr):
-            pass
+        """) + _tiled("TILE_SIZE", "HEAD_SIZE", "query_ptr") + textwrap.dedent("""
 
         def _get_tile_size(head_size, sliding_window, element_size, is_prefill):
             return 32
@@ -50,11 +63,12 @@ STAND_INS = {
         """),
     "vllm/v1/attention/ops/triton_prefill_attention.py": textwrap.dedent("""
         import triton
+        import triton.language as tl
 
         @triton.jit
         def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
                         Lk: triton.language.constexpr):
-            pass
+        """) + _tiled("BLOCK_M", "BLOCK_N", "Q") + textwrap.dedent("""
 
         def get_block_size(dtype):
             return 64
@@ -69,47 +83,55 @@ STAND_INS = {
         "from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd\n",
     "vllm/v1/attention/ops/prefix_prefill.py": textwrap.dedent("""
         import triton
+        import triton.language as tl
 
         @triton.jit
         def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
                         BLOCK_SIZE: triton.language.constexpr):
-            pass
-        """),
+        """) + _tiled("BLOCK_M", "BLOCK_N", "Q"),
     "sglang/__init__.py": "__version__ = '0.5.23'\n",
     "sglang/kernels/__init__.py": "",
     "sglang/kernels/ops/__init__.py": "",
     "sglang/kernels/ops/attention/__init__.py": "",
     "sglang/kernels/ops/attention/extend_attention.py": textwrap.dedent("""
         import triton
+        import triton.language as tl
+        from triton.language import constexpr
 
         @triton.jit
-        def _fwd_kernel(Q, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr):
-            pass
+        def _fwd_kernel(Q, qo_indptr, kv_indptr, IS_CAUSAL: constexpr, SLIDING_WINDOW_SIZE: constexpr,
+                        USE_CUSTOM_MASK: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr):
+        """) + _tiled("BLOCK_M", "BLOCK_N", "Q") + textwrap.dedent("""
 
         @triton.jit
-        def _fwd_kernel_unified(Q, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr):
-            pass
+        def _fwd_kernel_unified(Q, qo_indptr, kv_indptr, IS_CAUSAL: constexpr, SLIDING_WINDOW_SIZE: constexpr,
+                                USE_CUSTOM_MASK: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr):
+        """) + _tiled("BLOCK_M", "BLOCK_N", "Q") + textwrap.dedent("""
 
         def _get_block_sizes_for_extend_attention(Lq, Lv):
             return 512, 64, 512, 32, 64, 8
 
         def extend_attention_fwd(q, *args, **kwargs):
-            return _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])
+            BLOCK_M = _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])[3]
+            return BLOCK_M
 
         def extend_attention_fwd_unified(q, *args, **kwargs):
-            return _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])
+            BLOCK_M = _get_block_sizes_for_extend_attention(q.shape[-1], q.shape[-1])[3]
+            return BLOCK_M
         """),
     "sglang/kernels/ops/attention/prefill_attention.py": textwrap.dedent("""
         import triton
+        import triton.language as tl
+        from triton.language import constexpr
 
         @triton.jit
-        def _fwd_kernel(Q, Out, BLOCK_M: triton.language.constexpr, BLOCK_N: triton.language.constexpr,
-                        Lk: triton.language.constexpr):
-            pass
+        def _fwd_kernel(Q, Out, B_Start_Loc, B_Seqlen, IS_CAUSAL: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr,
+                        Lk: constexpr):
+        """) + _tiled("BLOCK_M", "BLOCK_N", "Q") + textwrap.dedent("""
 
         def context_attention_fwd(q, k, v, o, *args, **kwargs):
             BLOCK = 128
-            return BLOCK
+            return BLOCK, _fwd_kernel
         """),
     "flag_gems/__init__.py": "__version__ = '5.0.2'\n",
     "flag_gems/utils/__init__.py": "",
@@ -138,12 +160,13 @@ STAND_INS = {
         import triton
         from triton.language import constexpr
 
+        import triton.language as tl
+
         @triton.jit
         def _flash_prefill_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, causal: constexpr, window_size: constexpr,
                                       shared_kv: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr,
                                       BLOCK_DK: constexpr, BLOCK_DK1: constexpr, BLOCK_DV: constexpr):
-            pass
-        """),
+        """) + _tiled("BLOCK_M", "BLOCK_N", "q_ptr"),
     "flag_gems/ops/__init__.py": "",
     "flag_gems/ops/mm.py": "from kernels import matmul_kernel as mm_kernel_general\n",
 }
@@ -215,9 +238,11 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
             except ImportError:
                 pass
 
-        # A target that moved between releases is named once per release (TARGETS): the one imported here.
+        # A target that moved between releases is named once per release (TARGETS, a pack's targets, one per home):
+        # the one imported here.
         TARGET = next((name for name in getattr(module, "TARGETS", ()) if name.rsplit(".", 2)[0] in sys.modules),
-                      patch.target)
+                      next((name for name, home in zip(patch.targets, patch.modules) if home in sys.modules),
+                           patch.target))
 
         def target_object():
             path = TARGET.split(".")
@@ -385,9 +410,11 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
             except ImportError:
                 pass
 
-        # A target that moved between releases is named once per release (TARGETS): the one imported here.
+        # A target that moved between releases is named once per release (TARGETS, a pack's targets, one per home):
+        # the one imported here.
         TARGET = next((name for name in getattr(module, "TARGETS", ()) if name.rsplit(".", 2)[0] in sys.modules),
-                      patch.target)
+                      next((name for name, home in zip(patch.targets, patch.modules) if home in sys.modules),
+                           patch.target))
 
         def owner_and_path():
             path = TARGET.split(".")

@@ -1,12 +1,17 @@
 """SGLang's own Triton attention wrappers under smemguard's SGLang packs (smemguard/patches/sglang_*.py), on the CPU
 harness compiled for sm_120 (RTX 5090, 101376 B), sm_89 (L4) and sm_75 (T4): the two field failures (ktransformers
-#1570, SGLang PR #27962) and their neighbours recover with smaller tiles and the grids SGLang would compute for
-them, and the next call chooses them at once.
+#1570, SGLang PR #27962, both reported on SGLang 0.5.5) and their neighbours recover with smaller tiles and the grids
+SGLang would compute for them, and the next call chooses them at once.
 
-Needs SGLang 0.5.23 (``pip install --no-deps sglang==0.5.23`` and the pure-Python packages its kernels' imports
-need: CI stage "1b"). Launches on the harness execute nothing: SGLang's own tests compare the numbers on the GPU
-(benchmarks/field_suites.py, docs/BENCHMARKS.md). SGLang reads the device's capability once at import; the tests
-set it (``CUDA_CAPABILITY``, ``_is_cuda``) as that GPU's process would have."""
+The same tests run against whichever SGLang release is importable, wherever it keeps its kernels (the packs' homes):
+CI stage "1b" runs them with SGLang 0.5.23 (``pip install --no-deps sglang==0.5.23`` and the pure-Python packages its
+kernels' imports need) and again with SGLang 0.5.5 first on ``PYTHONPATH`` (its wheel unpacked beside them), whose
+kernels live in ``sglang.srt.layers.attention.triton_ops``. Launches on the harness execute nothing: SGLang's own
+tests compare the numbers on the GPU (benchmarks/field_suites.py, docs/BENCHMARKS.md). SGLang reads the device's
+capability once at import; the tests set it (``CUDA_CAPABILITY``, ``_is_cuda``) as that GPU's process would have."""
+
+import importlib
+import inspect
 
 import pytest
 import torch
@@ -17,10 +22,20 @@ from smemguard.testing import fake_gpu
 
 from conftest import records
 
-extend = pytest.importorskip("sglang.kernels.ops.attention.extend_attention",
-                             reason="SGLang is not installed (CI stage '1b' installs it)")
-prefill = pytest.importorskip("sglang.kernels.ops.attention.prefill_attention",
-                              reason="SGLang is not installed (CI stage '1b' installs it)")
+
+def _home(pack):
+    """The pack's kernel module of the SGLang release installed here, wherever it keeps it."""
+    for name in pack.HOMES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    pytest.skip("SGLang is not installed (CI stage '1b' installs it)", allow_module_level=True)
+
+
+extend = _home(sglang_extend_attention)
+prefill = _home(sglang_prefill_attention)
+RELEASE = importlib.import_module("sglang").__version__
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("records_name_their_launch")]
 
@@ -39,6 +54,15 @@ def capability(monkeypatch):
     return set_capability
 
 
+def extend_attention(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, **options):
+    """``extend_attention_fwd`` causal, without a custom mask, as the release installed takes it: the FP8 KV scales
+    (1.0) only where it has them (0.5.10 on)."""
+    if "k_scale" in inspect.signature(extend.extend_attention_fwd).parameters:
+        options = {"k_scale": 1.0, "v_scale": 1.0, **options}
+    extend.extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True, None,
+                                TOKENS, **options)
+
+
 def absorbed_mla_extend():
     """Kimi K2's absorbed MLA shape (ktransformers #1570): Lq 576, Lv 512, one KV head, a prefix in the cache."""
     dtype, tokens = torch.bfloat16, BATCH * TOKENS
@@ -50,8 +74,7 @@ def absorbed_mla_extend():
     qo_indptr = torch.arange(BATCH + 1, dtype=torch.int32) * TOKENS
     kv_indptr = torch.arange(BATCH + 1, dtype=torch.int32) * PREFIX
     kv_indices = torch.arange(BATCH * PREFIX, dtype=torch.int64)
-    extend.extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True,
-                                None, TOKENS, 1.0, 1.0)
+    extend_attention(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
 
 
 def context_attention(dtype, head_size: int, tokens: int = TOKENS):
@@ -76,19 +99,33 @@ def test_kimi_k2_extend_attention_on_sm120_with_hopper_tiles_takes_a_smaller_key
     assert [record["action"] for record in tiles] == ["tiles_reduced"], "one record: the wrapper's outcome"
     assert (tiles[0]["config"], tiles[0]["final"], tiles[0]["required"]) == (
         "BLOCK_M=32 BLOCK_N=64", "BLOCK_M=32 BLOCK_N=32", 106496)
-    assert tiles[0]["launched_as"] == "sglang.kernels.ops.attention.extend_attention:extend_attention_fwd"
+    assert tiles[0]["launched_as"] == f"{extend.__name__}:extend_attention_fwd"
     assert tiles[0]["shape_class"] == {"Lq": 576, "Lv": 512}
     assert extend._get_block_sizes_for_extend_attention(576, 512)[3:5] == (32, 64), \
         "outside the wrapper (the scheduler's tile budget) SGLang's own answer"
 
 
-def test_sglangs_own_sm120_table_fits_and_nothing_is_changed(install_guard, capability, incident_log, triton_cache):
+def test_kimi_k2_extend_attention_at_the_reporters_arch_and_limit(install_guard, capability, incident_log,
+                                                                  triton_cache):
+    """ktransformers #1570 as reported: SGLang 0.5.5 on an RTX 5090 (sm_120, 101376 B). Releases before PR #14311
+    (0.5.5 to 0.5.8) give sm_120 Hopper's 32x64, which needs 106496 B: recovered at 32x32, one record, the second
+    call at once. Later releases' own sm_120 table answers 32x32: it fits, and nothing is changed."""
     capability(12, 0)
     install_guard()
+    own = extend._get_block_sizes_for_extend_attention(576, 512)[3:5]
     with fake_gpu("RTX5090", cache_dir=triton_cache) as gpu:
         absorbed_mla_extend()
-        assert len(gpu.launches) == 1
-    assert records(incident_log) == []
+        absorbed_mla_extend()
+        assert [(launch.kernel, launch.grid) for launch in gpu.launches] == [("_fwd_kernel", (BATCH, HEADS, 2))] * 2
+        assert all(launch.shared <= 101376 for launch in gpu.launches)
+    if own == (32, 32):
+        assert records(incident_log) == [], f"SGLang {RELEASE}'s own sm_120 tiles fit"
+        return
+    [tiles] = records(incident_log)
+    assert own == (32, 64), f"SGLang {RELEASE} gives sm_120 Hopper's tiles"
+    assert (tiles["action"], tiles["config"], tiles["final"], tiles["required"]) == (
+        "tiles_reduced", "BLOCK_M=32 BLOCK_N=64", "BLOCK_M=32 BLOCK_N=32", 106496)
+    assert tiles["launched_as"] == f"{extend.__name__}:extend_attention_fwd"
 
 
 @pytest.mark.parametrize(("gpu", "major_minor", "dtype", "head_size", "required", "block", "smaller"), [
@@ -160,17 +197,15 @@ def test_where_not_even_16x16_fits_extend_attention_runs_in_torch(install_guard,
     q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = inputs
     out = torch.zeros(BATCH * TOKENS, HEADS, 512, dtype=torch.float16)
     with fake_gpu("T4", cache_dir=triton_cache) as gpu:
-        extend.extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True,
-                                    None, TOKENS, 1.0, 1.0)
+        extend_attention(q, k, v, out, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
         assert gpu.launches == [], "the kernel never ran: nothing was half-written"
         with pytest.raises(OutOfResources) as caught:  # attention sinks: not computed by the fallback
-            extend.extend_attention_fwd(q, k, v, torch.empty_like(out), k_buffer, v_buffer, qo_indptr, kv_indptr,
-                                        kv_indices, None, True, None, TOKENS, 1.0, 1.0, sinks=torch.zeros(HEADS))
+            extend_attention(q, k, v, torch.empty_like(out), k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                             sinks=torch.zeros(HEADS))
     torch.testing.assert_close(out.double(), reference_extend(*inputs), rtol=1e-2, atol=1e-3)
     [ran] = records(incident_log)  # once per shape class: the second call went to the outcome at once
     assert (ran["action"], ran["final"], ran["launched_as"]) == (
-        "fallback", "smemguard.fallbacks:sglang_extend_attention",
-        "sglang.kernels.ops.attention.extend_attention:extend_attention_fwd")
+        "fallback", "smemguard.fallbacks:sglang_extend_attention", f"{extend.__name__}:extend_attention_fwd")
     assert ran["attempts"][-1]["required"] == 69632 and "BLOCK_M=16 BLOCK_N=16" in ran["reason"]
     [note] = [note for note in caught.value.__notes__ if note.startswith("smemguard:")]
     assert "extend_attention.py:" in note and "BLOCK_M=16 BLOCK_N=16, the smallest declared, needs 69632 B" in note
@@ -209,9 +244,9 @@ def test_on_a_gpu_the_extend_fallback_matches_sglangs_kernel():
         inputs = mla_extend_inputs(dtype, device="cuda")
         q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = inputs
         kernel, torch_path = (torch.empty(BATCH * TOKENS, HEADS, 512, dtype=dtype, device="cuda") for _ in range(2))
-        arguments = (k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, None, True, None, TOKENS, 1.0, 1.0)
-        extend.extend_attention_fwd(q, k, v, kernel, *arguments)
-        fallbacks.sglang_extend_attention(q, k, v, torch_path, *arguments)
+        extend_attention(q, k, v, kernel, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+        fallbacks.sglang_extend_attention(q, k, v, torch_path, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                                          None, True, None, TOKENS)
         torch.testing.assert_close(torch_path, kernel, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(torch_path.double(), reference_extend(*inputs), rtol=1e-2, atol=1e-3)
 

@@ -84,7 +84,7 @@ def _out_of_resources():
 
 @pytest.fixture
 def unified_attention():
-    return importlib.import_module(vllm_unified_attention.TARGET_MODULE)
+    return importlib.import_module(vllm_unified_attention.HOMES[0])
 
 
 @pytest.fixture
@@ -209,7 +209,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
                                                                                    triton_cache):
     from smemguard.patches import vllm_prefill_attention
 
-    module = importlib.import_module(vllm_prefill_attention.TARGET_MODULE)
+    module = importlib.import_module(vllm_prefill_attention.HOMES[0])
     as_gpu(gpu)
     install_guard(mode="observe")
     with fake_gpu(gpu, cache_dir=triton_cache) as device, pytest.raises(_out_of_resources()) as raised:
@@ -239,7 +239,7 @@ def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, i
                                                                       triton_cache):
     from smemguard.patches import vllm_prefill_attention
 
-    module = importlib.import_module(vllm_prefill_attention.TARGET_MODULE)
+    module = importlib.import_module(vllm_prefill_attention.HOMES[0])
     as_gpu("T4")
     install_guard()
     with fake_gpu("T4", cache_dir=triton_cache) as device:
@@ -304,7 +304,7 @@ def prefill(module, head_size, dtype, query_len=96, context=64):
 def test_prefix_prefill_on_a_t4_runs_a_smaller_block_with_its_grid_recomputed(head_size, failing, block,
                                                                               install_guard, incident_log,
                                                                               triton_cache):
-    module = importlib.import_module(vllm_prefix_prefill.TARGET_MODULE)
+    module = importlib.import_module(vllm_prefix_prefill.HOMES[0])
     install_guard(mode="observe")
     with fake_gpu("T4", cache_dir=triton_cache), pytest.raises(_out_of_resources()) as raised:
         prefill(module, head_size, torch.float16)  # BLOCK_M=128, BLOCK_N=64, already num_stages=1

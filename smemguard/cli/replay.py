@@ -80,7 +80,7 @@ CHECKS = {
     "action": NAME,
     "resource": NAME,
     "required": bounded(MAX_INT),
-    "limit_hit": bounded(MAX_INT, 1),
+    "limit_hit": bounded(MAX_INT),  # 0 where a library raised OutOfResources(0, 0, ...) itself
     "device": OBJECT,
     "id": TEXT,
     "launched_as": TEXT,
@@ -159,6 +159,10 @@ def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
     replayed."""
     import torch
 
+    unmeasured = _unmeasured(record)
+    if unmeasured is not None:
+        say(unmeasured)
+        return 1
     found = check(record)
     if found:
         raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
@@ -213,6 +217,20 @@ def _limit_line(record: dict) -> str:
     limits = record.get("limit") or {}
     emulated = f", emulated {limits['emulated']} B" if limits.get("emulated") else ""
     return f"limit {record['limit_hit']} B (device {limits.get('device')} B{emulated})"
+
+
+def _unmeasured(record) -> str | None:
+    """Why a record of an error that gives no byte counts cannot be reproduced (a library that steps down through
+    its own configs and raises ``OutOfResources(0, 0, ...)`` when none fits, as SGLang 0.5.23's DSA prefill does):
+    no launch of it failed Triton's check. None for any other record."""
+    if not isinstance(record, dict) or not any(type(record.get(name)) is int and record[name] == 0
+                                               for name in ("required", "limit_hit")):
+        return None
+    kernel = record.get("kernel")
+    return (f"not reproduced: {printable(kernel) if isinstance(kernel, str) else shown(kernel)}: the error gives no "
+            f"byte counts (Required {shown(record.get('required'))} B, limit {shown(record.get('limit_hit'))} B): "
+            "the library raised OutOfResources itself, not Triton's check of a compiled kernel, so there is no launch "
+            "to run again")
 
 
 def _guarded(settings: Settings, attempt: Callable[[], dict]):

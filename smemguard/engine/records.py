@@ -58,10 +58,16 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         remembered=decision.remembered, extras=extras).record()
     failing = record.get("config") or ""
     where = emit(record, log_path, (kernel, device, failing),
-                 "smemguard: %s: %s %s > %s B with %s; %s after %d tries in %.0f ms",
-                 kernel, error.name, error.required, error.limit, failing or "?",
+                 "smemguard: %s: %s %s with %s; %s after %d tries in %.0f ms",
+                 kernel, error.name, bytes_text(error.required, error.limit), failing or "?",
                  action_text(decision, failing), max(len(decision.attempts) - 1, 0), record["recovery_ms"])
     return dataclasses.replace(decision, record=where)
+
+def bytes_text(required, limit) -> str:
+    """``"106496 > 101376 B"``; for an error that gives no byte counts (a library's own
+    ``OutOfResources(0, 0, ...)``), says so."""
+    return f"{required} > {limit} B" if required and limit else "(the error gives no byte counts)"
+
 
 def action_text(decision, failing_config: str = "") -> str:
     final = introspect.changes(failing_config, decision.final or "") or decision.final

@@ -52,7 +52,7 @@ OPTION_OF = {PIPELINE_DEPTH: "num_stages", WARP_COUNT: "num_warps"}
 _RANGE_STAGES_POSITION = 3
 
 #: Called jit functions followed below a kernel; deeper chains are read as "cannot tell".
-_MAX_DEPTH = 8
+MAX_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ def _role(uses: list) -> str:
     return kinds.pop() if len(kinds) == 1 and kinds <= {_DEPTH_USE, _WARP_USE} else OTHER
 
 
-def _source(jit) -> tuple[str, int]:
+def source_of(jit) -> tuple[str, int]:
     """(the source Triton compiles for ``jit``, the file line it starts at). A library may replace the source of a
     function it made from a template (triton_kernels' ``define_kernel``: ``JITFunction._unsafe_update_src``): then
     ``jit.src`` is the kernel, and the function's own lines are the template's, lines of no file."""
@@ -224,16 +224,25 @@ def _source(jit) -> tuple[str, int]:
     return text, first_line
 
 
-def _read(jit, depth: int) -> _Facts | None:
-    fn = jit.fn
-    text, first_line = _source(jit)
+def parsed(jit) -> tuple[ast.FunctionDef, "Scope", list, int] | None:
+    """(the function Triton compiles for ``jit``, its scope, its parameters, the file line before its first), or None
+    when its source is no function. Raises what reading or parsing the source raises."""
+    text, first_line = source_of(jit)
     function = ast.parse(text).body[0]
     if not isinstance(function, ast.FunctionDef):
         return None
     params = [arg.arg for arg in function.args.args]
     local_names = {*params, *(node.id for node in ast.walk(function) if isinstance(node, ast.Name)
                               and isinstance(node.ctx, ast.Store))}
-    reader = _Reader(_Scope(fn, frozenset(local_names)), params, first_line - 1, depth)
+    return function, Scope(jit.fn, frozenset(local_names)), params, first_line - 1
+
+
+def _read(jit, depth: int) -> _Facts | None:
+    found = parsed(jit)
+    if found is None:
+        return None
+    function, scope, params, line_offset = found
+    reader = _Reader(scope, params, line_offset, depth)
     for statement in function.body:
         reader.visit(statement)
     return reader.facts
@@ -242,7 +251,7 @@ def _read(jit, depth: int) -> _Facts | None:
 class _Reader(ast.NodeVisitor):
     """One pass over a function body: every read of a parameter, every loop, every call."""
 
-    def __init__(self, scope: "_Scope", params: list, line_offset: int, depth: int) -> None:
+    def __init__(self, scope: "Scope", params: list, line_offset: int, depth: int) -> None:
         self.scope = scope
         self.name = getattr(scope.function, "__qualname__", "?")
         self.line_offset = line_offset
@@ -265,7 +274,7 @@ class _Reader(ast.NodeVisitor):
 
     def visit_For(self, node: ast.For) -> None:
         if isinstance(node.iter, ast.Call):
-            callee = _resolve(node.iter.func, self.scope)
+            callee = resolve(node.iter.func, self.scope)
             if _is_triton_range(callee):
                 self.facts.loops.append(self.range_loop(node.iter))
             elif callee is builtins.range:
@@ -286,16 +295,16 @@ class _Reader(ast.NodeVisitor):
         return _Loop(_FIXED, ast.unparse(stages), self.name, line)
 
     def visit_Call(self, node: ast.Call) -> None:
-        callee = _resolve(node.func, self.scope)
-        for sizing in _block_shape_arguments(callee, node):
+        callee = resolve(node.func, self.scope)
+        for sizing in block_shape_arguments(callee, node):
             self.facts.shapes |= self.parameters_in(sizing)
-        if _is_jit(callee):
+        if is_jit(callee):
             self.call_jit(node, callee)
         elif not (_is_triton_range(callee) or _is_library(callee) or _is_method_of_a_value(node.func, self.scope)):
             self.facts.complete = False  # it may hide a loop; a parameter passed to it is "other use"
         for keyword in node.keywords:
             if keyword.arg == "num_warps" and isinstance(keyword.value, ast.Name) \
-                    and keyword.value.id in self.facts.uses and not _is_jit(callee):
+                    and keyword.value.id in self.facts.uses and not is_jit(callee):
                 self.handled.add(id(keyword.value))
                 self.use(keyword.value.id, _WARP_USE)
         self.generic_visit(node)
@@ -306,7 +315,7 @@ class _Reader(ast.NodeVisitor):
 
     def call_jit(self, node: ast.Call, callee) -> None:
         """What the callee does with each parameter of ours passed to it, and its loops in our terms."""
-        facts = _read(callee, self.depth + 1) if self.depth < _MAX_DEPTH else None
+        facts = _read(callee, self.depth + 1) if self.depth < MAX_DEPTH else None
         if facts is None:
             self.facts.complete = False
             return
@@ -341,7 +350,7 @@ def _defaults(jit) -> dict:
 
 
 @dataclass(frozen=True)
-class _Scope:
+class Scope:
     """A jit function's Python function and the names its body binds itself (parameters, assignments,
     loop variables): those shadow globals and builtins (``input.to(...)`` is a tensor's method)."""
 
@@ -349,11 +358,11 @@ class _Scope:
     local_names: frozenset
 
 
-def _resolve(node: ast.expr, scope: _Scope):
+def resolve(node: ast.expr, scope: Scope):
     """The object a name or attribute chain in a body stands for, as Triton resolves it (closure,
     then globals, then builtins); None when it is a local value, not a global object."""
     if isinstance(node, ast.Attribute):
-        base = _resolve(node.value, scope)
+        base = resolve(node.value, scope)
         return getattr(base, node.attr, None) if base is not None else None
     if not isinstance(node, ast.Name) or node.id in scope.local_names:
         return None
@@ -373,7 +382,7 @@ _BLOCK_SHAPES = {"arange": (None, None), "zeros": ((0,), "shape"), "full": ((0,)
                  "make_tensor_descriptor": ((3,), "block_shape")}
 
 
-def _block_shape_arguments(callee, call: ast.Call) -> list:
+def block_shape_arguments(callee, call: ast.Call) -> list:
     """The arguments of ``call`` that give a block's shape, when ``callee`` is one of :data:`_BLOCK_SHAPES`."""
     import triton.language as tl
 
@@ -385,7 +394,7 @@ def _block_shape_arguments(callee, call: ast.Call) -> list:
     return found + [item.value for item in call.keywords if item.arg == keyword]
 
 
-def _is_jit(obj) -> bool:
+def is_jit(obj) -> bool:
     from triton.runtime.jit import JITFunction
 
     return isinstance(obj, JITFunction)
@@ -406,10 +415,10 @@ def _is_library(obj) -> bool:
     return "builtins" in modules or any(module == "triton" or module.startswith("triton.") for module in modules)
 
 
-def _is_method_of_a_value(func: ast.expr, scope: _Scope) -> bool:
+def _is_method_of_a_value(func: ast.expr, scope: Scope) -> bool:
     """``acc.to(tl.float16)``: a method of a value computed in the body (a tensor), not of a global."""
     if not isinstance(func, ast.Attribute):
         return False
     while isinstance(func, ast.Attribute):
         func = func.value
-    return not isinstance(func, ast.Name) or _resolve(func, scope) is None
+    return not isinstance(func, ast.Name) or resolve(func, scope) is None

@@ -9,7 +9,9 @@ it): a patch keeps it in ``PATCH.engine`` and its layers read it there at each c
 kept alive after ``uninstall()`` does nothing, and serves the next install.
 
 The Triton patches (``supported.package == "triton"``) are applied at install, each on its own; the others
-each when one of their ``modules`` is imported.
+each when one of their ``modules`` is imported. A library pack names its kernels as :class:`Kernels`: every module a
+release of the library kept them in, and what the pack's safety argument reads of them; it applies wherever an
+imported release's kernels have all of it, and nowhere else.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import importlib
 import logging
 import sys
+from types import ModuleType
 from typing import Any, Callable, Iterable, Protocol
 
 import wrapt
@@ -104,17 +107,117 @@ class Port(Protocol):
         largest halving of its tiles that can, before Inductor renders them."""
 
 
+#: What :meth:`Kernels.verdict` says of a module that is not this release's home of the kernels (none of them there,
+#: or a build without a usable Triton that defines them as plain functions): nothing to patch, nothing to say.
+NOT_HERE = "not here"
+
+
+class Kernels:
+    """A library's Triton kernels as a pack's safety argument reads them, found wherever a release keeps them.
+
+    ``homes``: every module that held them in the releases read, newest first (a process imports one release, and
+    its home is where the kernels are). ``kernels``: each kernel's name and the parameters the argument reads.
+    ``tiles``: the parameters the pack changes; each must size a block of every kernel that takes it
+    (:attr:`smemguard.kernels.parameters.Knobs.shapes`). ``masked``: those of them whose every load and store the
+    argument needs masked (:func:`smemguard.kernels.tails.unmasked`). ``reads``: what else the argument reads of the
+    home, each ``(what, test)``, ``test(module)`` true where it holds (the wrapper that chooses the tile, the grid
+    computed from it).
+
+    :meth:`found` gives each imported home whose kernels have all of it; one that misses something gets one line
+    saying what, and is left as the library wrote it. A pack so applies to every release whose kernels qualify,
+    wherever that release keeps them, and to no other.
+    """
+
+    def __init__(self, homes: tuple[str, ...], kernels: dict[str, Iterable[str]], *, tiles: tuple[str, ...] = (),
+                 masked: tuple[str, ...] = (), reads: tuple[tuple[str, Callable[[ModuleType], bool]], ...] = ()):
+        self.homes, self.tiles, self.masked, self.reads = homes, tiles, masked, reads
+        self.kernels = {name: frozenset(params) for name, params in kernels.items()}
+        self._verdicts: dict[int, tuple[ModuleType, str | None]] = {}  # module id -> (module, verdict): read once
+
+    def found(self, patch: str) -> list[tuple[str, ModuleType]]:
+        """(name, module) of each imported home whose kernels qualify; one line (once) for each that does not."""
+        from ..facts import process
+
+        qualified = []
+        for name in self.homes:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            verdict = self.verdict(module)
+            if verdict is None:
+                qualified.append((name, module))
+            elif verdict is not NOT_HERE:
+                process.warn_once(log, ("does not qualify", patch, name), "smemguard: %s is not applied to %s: %s, "
+                                  "which its safety argument reads; it runs as the library wrote it", patch, name,
+                                  verdict)
+        return qualified
+
+    def verdict(self, module: ModuleType) -> str | None:
+        """None when ``module``'s kernels have all the argument reads; else what they miss (:data:`NOT_HERE`:
+        they are not there). Read once per module."""
+        known = self._verdicts.get(id(module))
+        if known is None or known[0] is not module:
+            known = self._verdicts[id(module)] = (module, self._read(module))
+        return known[1]
+
+    def _read(self, module: ModuleType) -> str | None:
+        from ..kernels import introspect
+
+        present = {name: getattr(module, name) for name in self.kernels if getattr(module, name, None) is not None}
+        jits = {name: introspect.jit_function(kernel) for name, kernel in present.items()}
+        if not present or not all(hasattr(jit, "arg_names") for jit in jits.values()):
+            return NOT_HERE
+        missing = [name for name in self.kernels if name not in present]
+        if missing:
+            return f"it has no kernel {', '.join(missing)}"
+        for name, jit in jits.items():
+            why = self._kernel_verdict(name, jit)
+            if why is not None:
+                return why
+        lacking = [what for what, test in self.reads if not _holds(test, module)]
+        return f"it does not have {'; '.join(lacking)}" if lacking else None
+
+    def _kernel_verdict(self, name: str, jit) -> str | None:
+        from ..kernels import parameters, tails
+
+        lacking = sorted(self.kernels[name] - set(jit.arg_names))
+        if lacking:
+            return f"{name} has no parameter {', '.join(lacking)}"
+        tiles = [tile for tile in self.tiles if tile in jit.arg_names]
+        sizing = parameters.knobs_of(jit).shapes
+        unsized = [tile for tile in tiles if tile not in sizing]
+        if unsized:
+            return f"{name} sizes no block with {', '.join(unsized)}"
+        masked = {tile for tile in self.masked if tile in tiles}
+        if not masked:
+            return None
+        accesses = tails.unmasked(jit)
+        if accesses is None:
+            return f"the source of {name} cannot be read"
+        unmasked = [access.text() for access in accesses if access.tiles & masked]
+        return f"{name} loads or stores without a mask at {'; '.join(unmasked)}" if unmasked else None
+
+
+def _holds(test: Callable[[ModuleType], bool], module: ModuleType) -> bool:
+    try:
+        return bool(test(module))
+    except Exception:  # a module laid out otherwise than the test expects: it does not hold
+        log.debug("smemguard: %r raised on %s", test, getattr(module, "__name__", module), exc_info=True)
+        return False
+
+
 class Patch:
     """One patch's contract as data, and ``patch``/``unpatch``/``is_patched`` for it.
 
     ``name``: the patch module (``__name__``); ``target``: what it patches, dotted; ``modules``: the modules
-    whose import (re)applies it; ``supported``: the releases admitted (:class:`~smemguard.facts.versions.Supported`);
-    ``checked``: the releases its target was read against, newest last; ``observe_safe``: whether it applies in
-    ``SMEMGUARD=observe`` (it only enforces the emulated limit, records, or describes kernels to the engine);
-    ``wanted(settings)``: whether these settings want it at all (no emulated limit: no ``max_shared_mem``);
-    ``layers``: ``{Layer: build}``, each added by ``Layer.add(build)``; ``apply(engine)`` runs before they are
-    added (it may add layers of its own), ``remove()`` after they are taken out; ``present()`` replaces
-    "every layer is there" as the answer of :meth:`is_patched`.
+    whose import (re)applies it; ``kernels``: a library pack's :class:`Kernels`, whose homes are then its
+    ``modules`` and ``target`` the attribute within them (``targets``: one per home); ``supported``: the releases
+    admitted (:class:`~smemguard.facts.versions.Supported`); ``checked``: the releases its target was read against,
+    newest last; ``observe_safe``: whether it applies in ``SMEMGUARD=observe`` (it only enforces the emulated limit,
+    records, or describes kernels to the engine); ``wanted(settings)``: whether these settings want it at all (no
+    emulated limit: no ``max_shared_mem``); ``layers``: ``{Layer: build}``, each added by ``Layer.add(build)``;
+    ``apply(engine)`` runs before they are added (it may add layers of its own), ``remove()`` after they are taken
+    out; ``present()`` replaces "every layer is there" as the answer of :meth:`is_patched`.
 
     :meth:`patch` is idempotent and runs again on each import of one of ``modules`` (a library patch may find
     more kernels); :meth:`unpatch` removes only smemguard's own layers and tolerates partial state;
@@ -123,12 +226,19 @@ class Patch:
 
     engine: Port | None = None
 
-    def __init__(self, name: str, *, target: str, modules: tuple[str, ...], supported: Supported,
-                 checked: tuple[str, ...], observe_safe: bool, wanted: Callable[[Any], bool] | None = None,
-                 layers: dict | None = None, apply: Callable[[Port], None] | None = None,
-                 remove: Callable[[], None] | None = None, present: Callable[[], bool] | None = None):
+    def __init__(self, name: str, *, target: str, modules: tuple[str, ...] = (), supported: Supported,
+                 checked: tuple[str, ...], observe_safe: bool, kernels: Kernels | None = None,
+                 wanted: Callable[[Any], bool] | None = None, layers: dict | None = None,
+                 apply: Callable[[Port], None] | None = None, remove: Callable[[], None] | None = None,
+                 present: Callable[[], bool] | None = None):
         self.name = name.rsplit(".", 1)[-1]
-        self.target, self.modules, self.supported, self.checked = target, modules, supported, checked
+        self.kernels = kernels
+        if kernels is not None:
+            modules = kernels.homes
+            self.targets = tuple(f"{home}.{target}" for home in kernels.homes)
+        else:
+            self.targets = (target,)
+        self.target, self.modules, self.supported, self.checked = self.targets[0], modules, supported, checked
         self.observe_safe = observe_safe
         self._wanted, self._layers = wanted, dict(layers or {})
         self._apply, self._remove, self._present = apply, remove, present
@@ -158,6 +268,10 @@ class Patch:
             return bool(self._present())
         return bool(self._layers) and all(layer.present() for layer in self._layers)
 
+    def homes(self) -> list[tuple[str, ModuleType]]:
+        """(name, module) of each imported home of the pack's kernels that has what its argument reads."""
+        return self.kernels.found(self.name) if self.kernels is not None else []
+
     def records_path(self):
         """Where this install's incident records go (None: to the log only, as while uninstalled)."""
         engine = self.engine
@@ -172,26 +286,18 @@ class Patch:
 
 class Registration:
     """What a library patch files in :mod:`smemguard.kernels.registry` for the library's Triton kernels (a fallback, a
-    list of alternatives): each kernel once, only a kernel with the parameters the value was written for (else
-    one line, and that kernel is left alone), all taken back by :meth:`clear`. ``register(kernel, value)``,
-    ``unregister(kernel)`` and ``registered(kernel)`` are the registry's."""
+    list of alternatives), for the kernels its :class:`Kernels` found: each kernel once, all taken back by
+    :meth:`clear`. ``register(kernel, value)``, ``unregister(kernel)`` and ``registered(kernel)`` are the
+    registry's."""
 
     def __init__(self, register: Callable[[Any, Any], None], unregister: Callable[[Any], None],
                  registered: Callable[[Any], Any]):
         self._register, self._unregister, self._registered = register, unregister, registered
         self._kernels: list = []
 
-    def add(self, where: str, kernel, params: Iterable[str], value, *, checked: str) -> None:
-        """File ``value`` for ``kernel`` (named ``where`` in messages) when it has ``params``."""
+    def add(self, kernel, value) -> None:
+        """File ``value`` for ``kernel``."""
         if any(kernel is known for known in self._kernels):
-            return
-        found = set(getattr(kernel, "arg_names", ()))
-        if not set(params) <= found:
-            from ..facts import process
-
-            process.warn_once(log, ("unexpected parameters", where),
-                              "smemguard: %s has unexpected parameters %s (checked against %s); nothing registered "
-                              "for it, it runs as the library wrote it", where, sorted(found), checked)
             return
         self._register(kernel, value)
         self._kernels.append(kernel)

@@ -3,8 +3,8 @@
 Shared by the patches of vLLM wrapper functions that choose a kernel's tile with a module-level
 function, launch that kernel first, and either launch it with a grid that does not depend on the
 tile or compute the grid from the same choice (``vllm_unified_attention``,
-``vllm_prefill_attention``). Each patch describes its target as a :class:`TileChoice`; the
-per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
+``vllm_prefill_attention``), wherever a release keeps them. Each patch describes its target as a
+:class:`TileChoice`; the per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
 
 How: the wrapper gets a plain function layer, a ``try`` around the call (a healthy call pays one
 Python frame and nothing else; a wrapt ``FunctionWrapper`` costs several times that;
@@ -34,62 +34,64 @@ from ..kernels import recorded
 from ..kernels.recorded import attempt_records
 from ..store import incidents
 from ..store.decision import TILES_REDUCED
-from . import Layer, Patch
+from . import Kernels, Layer, Patch
 
 log = logging.getLogger(__name__)
 
 
 class TileChoice(Patch):
-    """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first.
+    """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first, in the home of
+    ``kernels`` (:class:`smemguard.patches.Kernels`: wherever a release keeps them, where the kernel has what the
+    pack's argument reads; a process imports one release, so the first home found is the one patched).
 
     ``choice_shape(args, kwargs, frame)``: the shape class of a call of the choice function (its
     arguments, and the wrapper's frame that called it); ``launch_shape(args, kwargs)``: the shape
-    class of a launch of the kernel (None: not a launch this patch knows); ``wrapper_tile(choose,
-    shape, learnt)``: the tile the wrapper launches with for a shape class, given vLLM's own choice
-    function and the tile learnt for the class (None when none); ``smallest(shape)``: the smallest
-    tile the kernel may take; ``shape_fields``: names of a shape class's values, for records;
-    ``check(module, kernel)`` raises when the module is not laid out as the versions the patch was
-    checked against. ``name``, ``supported`` and ``checked`` are the patch's contract
-    (:class:`smemguard.patches.Patch`); it patches the wrapper, and never in observe mode (it changes the tile that
-    runs).
+    class of a launch of the kernel (None: not a launch this patch knows); ``wrapper_tile(module, choose,
+    shape, learnt)``: the tile the wrapper of the home ``module`` launches with for a shape class, given vLLM's own
+    choice function and the tile learnt for the class (None when none); ``smallest(shape)``: the smallest
+    tile the kernel may take; ``shape_fields``: names of a shape class's values, for records. ``name``,
+    ``supported`` and ``checked`` are the patch's contract (:class:`smemguard.patches.Patch`); it patches the
+    wrapper, and never in observe mode (it changes the tile that runs).
     """
 
-    def __init__(self, name: str, *, supported, checked: tuple[str, ...], module: str, wrapper: str, choice: str,
-                 kernel: str, tile: str, shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
+    def __init__(self, name: str, *, supported, checked: tuple[str, ...], kernels: Kernels, wrapper: str,
+                 choice: str, tile: str, shape_fields: tuple[str, ...], choice_shape: Callable[..., tuple],
                  launch_shape: Callable[[tuple, dict], tuple | None],
-                 wrapper_tile: Callable[[Callable, tuple, int | None], int], smallest: Callable[[tuple], int],
-                 check: Callable[[Any, Any], None]):
-        super().__init__(name, target=f"{module}.{wrapper}", modules=(module,), supported=supported, checked=checked,
+                 wrapper_tile: Callable[[Any, Callable, tuple, int | None], int], smallest: Callable[[tuple], int]):
+        super().__init__(name, target=wrapper, kernels=kernels, supported=supported, checked=checked,
                          observe_safe=False, apply=self._layer_wrapper, remove=self._forget,
                          present=lambda: self._wrapper_layer.present())
-        self.module, self.wrapper, self.choice, self.kernel, self.tile = module, wrapper, choice, kernel, tile
+        self.wrapper, self.choice, self.tile = wrapper, choice, tile
+        [self.kernel] = kernels.kernels
         self.shape_fields = shape_fields
         self._choice_shape, self._launch_shape = choice_shape, launch_shape
-        self._wrapper_tile, self._smallest, self._check = wrapper_tile, smallest, check
+        self._wrapper_tile, self._smallest = wrapper_tile, smallest
         self._out_of_resources: type = Exception  # Triton's OutOfResources, bound at patch time
         self._wrapper_code = None  # the code of vLLM's wrapper, bound at patch time
-        # Both also where vLLM's callers imported them by name (the Triton backend imports the wrapper).
-        self._wrapper_layer = Layer(module, wrapper, rebind=True)
-        self._choice_layer = Layer(module, choice, rebind=True)
+        self._home(kernels.homes[0])
+
+    def _home(self, module: str) -> None:
+        """Patch the wrapper and the choice of ``module`` (both also where vLLM's callers imported them by name:
+        the Triton backend imports the wrapper)."""
+        self.module = module
+        self._wrapper_layer = Layer(module, self.wrapper, rebind=True)
+        self._choice_layer = Layer(module, self.choice, rebind=True)
 
     # -- the patch contract ----------------------------------------------------------------------
 
     def _layer_wrapper(self, engine) -> None:
-        """Layer the wrapper, here and in the modules that imported it by name."""
+        """Layer the wrapper of the kernels' home, here and in the modules that imported it by name."""
         from triton.runtime.errors import OutOfResources
 
         self._out_of_resources = OutOfResources
         if self.is_patched():
             return
-        module = sys.modules.get(self.module)
-        if module is None:
+        homes = self.homes()
+        if not homes:
             return
-        kernel = getattr(module, self.kernel, None)
-        if not hasattr(kernel, "arg_names"):  # a vLLM build without a usable Triton: nothing can overflow
-            log.debug("smemguard: %s.%s is not a Triton kernel; %s left as it is", self.module, self.kernel,
-                      self.wrapper)
-            return
-        self._check(module, kernel)
+        home, module = homes[0]
+        if home != self.module:
+            self._home(home)
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
         self._wrapper_layer.add(self._guarded)
 
@@ -184,8 +186,9 @@ class TileChoice(Patch):
         if shape is None:
             return None
         key, tile = self._key(shape), kwargs[self.tile]
-        choose = inspect.unwrap(getattr(sys.modules[self.module], self.choice))
-        if self._wrapper_tile(choose, shape, self.memory().get(key)) != tile:  # chosen elsewhere: not ours
+        module = sys.modules[self.module]
+        choose = inspect.unwrap(getattr(module, self.choice))
+        if self._wrapper_tile(module, choose, shape, self.memory().get(key)) != tile:  # chosen elsewhere: not ours
             return None
         smaller = tile // 2
         return (key, tile, smaller) if smaller >= self._smallest(shape) else None

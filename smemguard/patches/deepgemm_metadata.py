@@ -37,9 +37,10 @@ indexer is already imported: :func:`patch` also rebinds the name in every loaded
 that holds the original, and :func:`unpatch` puts it back. Modules imported later pick up
 whatever the defining module holds. An alias under another name is not followed.
 
-Read in every vLLM release checked (installed and patched in the tests, CI stages 2 and 3: the wrapper takes
-``indices`` and hands DeepGEMM ``_paged_mqa_logits_schedule_slots(num_sms, next_n)`` slots,
-num_sms // 2 on SM90 with next_n 4; the fallback asks that same helper) and stored public
+Read in every vLLM release checked (0.32 to 0.34 installed and patched in the tests, CI stages 2 and 3; from 0.28
+the wrapper takes ``indices`` and hands DeepGEMM ``_paged_mqa_logits_schedule_slots(num_sms, next_n)`` slots,
+num_sms // 2 on SM90 with next_n 4, and the fallback asks that same helper; 0.27 has the three-argument form and
+hands DeepGEMM ``num_sms``) and stored public
 copies of ``vllm/utils/deep_gemm.py`` with the three-argument form and with ``indices``
 (release numbers not pinned); all define the function in ``vllm/utils/deep_gemm.py``.
 DeepGEMM: the commits listed in docs/MEASURED.md (smemguard/fallbacks.py); the header fingerprints were
@@ -353,6 +354,7 @@ def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, r
 
 
 PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{FUNCTION}", modules=(TARGET_MODULE,),
-              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
+              supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
+              checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
               observe_safe=False,  # runs its fallback itself when DeepGEMM refuses a batch: never in observe mode
               apply=_check_target, layers={_LAYER: wrapt_layer(_fallback_on_refusal)})

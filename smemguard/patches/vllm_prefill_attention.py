@@ -25,18 +25,22 @@ name: the Triton and ROCm attention backends): a ``try`` around the call. When a
 wrapper chose, the choice is halved for the call's shape class (query dtype and head size, per
 device and limit) and the call runs again. ``get_block_size`` gets a layer (from the first such
 decision on) that returns the smaller tile when ``context_attention_fwd`` asks for that class (the
-head size is read from the wrapper's frame, its ``Lk``), so later calls of that class choose it at
+head size is read from the wrapper's frame, its keys' last size), so later calls of that class choose it at
 once. One incident record (``"action": "tiles_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-In every vLLM release checked (0.34's wrapper fits its block to the device's shared
-memory itself on CUDA, ``_fit_block_to_shared_memory(BLOCK, ...)``, a ``min`` over ``get_block_size``'s choice: a
-lowered choice still lowers ``BLOCK``, and the formula never reads an emulated limit;
-``vllm/v1/attention/ops/triton_prefill_attention.py``, the
-same file in both): ``get_block_size(dtype)``, then ``if Lk >= 512: BLOCK = min(BLOCK, 32)``, the
-grid from ``BLOCK``, one launch ``_fwd_kernel[grid](q, k, v, ..., BLOCK_M=BLOCK, BLOCK_N=BLOCK_N,
-Lk=Lk, num_stages=1)`` with ``BLOCK_N`` equal to ``BLOCK`` or, on RDNA, ``min(BLOCK, 32)``.
+Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``_fwd_kernel`` with the parameters
+read above, ``BLOCK_M`` and ``BLOCK_N`` sizing its blocks and every load and store they index masked,
+``get_block_size(dtype)`` and a wrapper with a local ``Lk``. Every release from 0.27 to 0.34 has all of it
+(``PATCH.checked``, ``vllm/v1/attention/ops/triton_prefill_attention.py`` in each): ``get_block_size(dtype)``, the
+grid from ``BLOCK``, one launch ``_fwd_kernel[grid](q, k, v, ..., BLOCK_M=BLOCK, BLOCK_N=BLOCK_N, Lk=Lk,
+num_stages=1)`` with ``BLOCK_N`` equal to ``BLOCK`` or, on RDNA (0.31 on), ``min(BLOCK, 32)``. 0.28 adds the
+windowed key range (it starts at a multiple of ``BLOCK_N`` and ends past the block's last row, for any tile);
+0.32 keeps ``BLOCK`` at 32 or less from head size 512 on (read in the wrapper, whose constants then hold both
+numbers); 0.34 fits its block to the device's shared memory itself on CUDA (``_fit_block_to_shared_memory(BLOCK,
+...)``, a ``min`` over ``get_block_size``'s choice: a lowered choice still lowers ``BLOCK``, and the formula never
+reads an emulated limit).
 """
 
 from __future__ import annotations
@@ -44,15 +48,16 @@ from __future__ import annotations
 import inspect
 
 from ..facts.versions import Supported
+from . import Kernels
 from ._tile_choice import TileChoice
 
-TARGET_MODULE = "vllm.v1.attention.ops.triton_prefill_attention"
+HOMES = ("vllm.v1.attention.ops.triton_prefill_attention",)
 WRAPPER = "context_attention_fwd"
 TILE_CHOICE = "get_block_size"
 KERNEL = "_fwd_kernel"
 
-_KERNEL_PARAMETERS = {"Q", "BLOCK_M", "BLOCK_N", "Lk"}
-#: vLLM's wrapper keeps ``BLOCK`` at 32 or less from this head size on.
+_KERNEL_PARAMETERS = ("Q", "BLOCK_M", "BLOCK_N", "Lk")
+#: vLLM's wrapper keeps ``BLOCK`` at 32 or less from this head size on (0.32 on).
 _WIDE_HEAD, _WIDE_HEAD_BLOCK = 512, 32
 _SMALLEST_BLOCK = 16  # tl.dot needs M, N, K >= 16
 
@@ -62,40 +67,47 @@ def _dtype(dtype):
 
 
 def _choice_shape(args, kwargs, frame) -> tuple:
-    """The shape class of a ``get_block_size(dtype)`` call by the wrapper: the dtype and the call's head size."""
-    return _dtype(*args, **kwargs), frame.f_locals["Lk"]
+    """The shape class of a ``get_block_size(dtype)`` call by the wrapper: the dtype and the call's head size, read
+    from its keys (releases before 0.32 choose before they compute ``Lk = k.shape[-1]``)."""
+    return _dtype(*args, **kwargs), frame.f_locals["k"].shape[-1]
 
 
 def _launch_shape(args, kwargs) -> tuple:
     return args[0].dtype, kwargs["Lk"]
 
 
-def _wrapper_tile(choose, shape: tuple, learnt: int | None) -> int:
+def _caps_wide_heads(module) -> bool:
+    """Whether the release's wrapper keeps ``BLOCK`` at 32 or less from head size 512 on."""
+    constants = inspect.unwrap(getattr(module, WRAPPER)).__code__.co_consts
+    return _WIDE_HEAD in constants and _WIDE_HEAD_BLOCK in constants
+
+
+def _wrapper_tile(module, choose, shape: tuple, learnt: int | None) -> int:
     """``BLOCK`` as the wrapper computes it from its choice."""
     dtype, head_size = shape
     block = choose(dtype)
     if learnt is not None:
         block = min(block, learnt)
-    return min(block, _WIDE_HEAD_BLOCK) if head_size >= _WIDE_HEAD else block
+    return min(block, _WIDE_HEAD_BLOCK) if head_size >= _WIDE_HEAD and _caps_wide_heads(module) else block
 
 
-def _check(module, kernel) -> None:
-    """Raise when the module is not laid out as the versions this was checked against."""
-    choice, wrapper = getattr(module, TILE_CHOICE, None), getattr(module, WRAPPER, None)
-    if choice is None or wrapper is None:
-        raise RuntimeError(f"{TARGET_MODULE} has no {TILE_CHOICE} or {WRAPPER}")
-    if tuple(inspect.signature(choice).parameters) != ("dtype",):
-        raise RuntimeError(f"{TARGET_MODULE}.{TILE_CHOICE}{inspect.signature(choice)} is not (dtype)")
-    if "Lk" not in inspect.unwrap(wrapper).__code__.co_varnames:
-        raise RuntimeError(f"{TARGET_MODULE}.{WRAPPER} has no local Lk")
-    missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
-    if missing:
-        raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
+def _chooses_by_dtype(module) -> bool:
+    return tuple(inspect.signature(getattr(module, TILE_CHOICE)).parameters) == ("dtype",)
+
+
+def _wrapper_takes_the_keys(module) -> bool:
+    """The wrapper's keys ``k`` (whose last size is the head size its ``Lk`` is), and ``Lk`` passed to the kernel."""
+    wrapper = inspect.unwrap(getattr(module, WRAPPER))
+    return "k" in inspect.signature(wrapper).parameters and "Lk" in wrapper.__code__.co_varnames
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
 PATCH = TileChoice(
-    __name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
-    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="BLOCK_M",
-    shape_fields=("dtype", "head_size"), choice_shape=_choice_shape, launch_shape=_launch_shape,
-    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_BLOCK, check=_check)
+    __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
+    checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
+    kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("BLOCK_M", "BLOCK_N"), masked=("BLOCK_M", "BLOCK_N"),
+                    reads=((f"{TILE_CHOICE}(dtype)", _chooses_by_dtype),
+                           (f"{WRAPPER}(q, k, ...) with a local Lk", _wrapper_takes_the_keys))),
+    wrapper=WRAPPER, choice=TILE_CHOICE, tile="BLOCK_M", shape_fields=("dtype", "head_size"),
+    choice_shape=_choice_shape, launch_shape=_launch_shape, wrapper_tile=_wrapper_tile,
+    smallest=lambda shape: _SMALLEST_BLOCK)

@@ -21,22 +21,28 @@ What it does: registers those alternatives with :func:`smemguard.register_altern
 not given any: its grid is a tuple computed from the wrapper's ``BLOCK`` (``BASE_BLOCK``, 64 on sm_75), and at
 head size 128 it needs 65536 B on sm_75, which fits a T4.
 
-In every vLLM release checked (``vllm/v1/attention/ops/prefix_prefill.py``), the
-same launch of ``_fwd_kernel`` (grid function, ``BLOCK_M=128, BLOCK_N=64, num_warps=4,
-num_stages=1``) and the same masks; 0.33 adds ``INTERLEAVED_V_PACK_FACTOR`` to the V-cache
-addressing, which does not involve either tile.
+Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``_fwd_kernel`` with the parameters
+read above, ``BLOCK_M`` and ``BLOCK_N`` sizing its blocks and every load and store they index masked (the context
+loop's unmasked loads are indexed by ``BLOCK_SIZE`` only, and ``_paged_kv_cache_offsets`` masks its block-table load
+where ``BLOCK_N`` indexes it). Every release from 0.27 to 0.34 has all of it (``PATCH.checked``,
+``vllm/v1/attention/ops/prefix_prefill.py`` in each), with the same launch of ``_fwd_kernel`` (grid function,
+``num_warps=4, num_stages=1``) and the same masks; 0.27 to 0.29 launch non-power-of-two KV-cache block sizes (544,
+Qwen3-Next) at ``BLOCK_M=BLOCK_N=32``, 0.30 on at 128/64 for all; 0.33 adds ``INTERLEAVED_V_PACK_FACTOR`` to the
+V-cache addressing, which does not involve either tile.
 """
 
 from __future__ import annotations
 
 from ..facts.versions import Supported
+from . import Kernels
 from ._alternative_tiles import AlternativeTiles
 
-TARGET_MODULE = "vllm.v1.attention.ops.prefix_prefill"
+HOMES = ("vllm.v1.attention.ops.prefix_prefill",)
 
-PATCH = AlternativeTiles(__name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"),
-                         checked=("0.32.0", "0.33.0", "0.34.0"), module=TARGET_MODULE, kernel="_fwd_kernel",
-                         params=frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out"}),
-                         # largest first; the wrapper's own is (128, 64)
-                         tiles=((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)), num_warps=4, num_stages=1,
-                         library="vLLM")
+PATCH = AlternativeTiles(
+    __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
+    checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
+    kernels=Kernels(HOMES, {"_fwd_kernel": ("BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "Q", "Out")},
+                    tiles=("BLOCK_M", "BLOCK_N"), masked=("BLOCK_M", "BLOCK_N")),
+    # largest first; the wrapper's own is (128, 64)
+    tiles=((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)), num_warps=4, num_stages=1)

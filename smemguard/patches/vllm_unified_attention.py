@@ -32,15 +32,17 @@ that class pick it at once, with no failed launch. A failure of any other launch
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
-In every vLLM release checked (0.34 adds AMD RDNA prefill tile overrides and a tensor-
-descriptor clamp to the block size after ``_get_tile_size``: a launch whose tile differs from the choice is left
-to the engine, as Blackwell's override is; ``vllm/v1/attention/ops/triton_unified_attention.py``):
-both choose ``TILE_SIZE_PREFILL``/``TILE_SIZE_DECODE`` with ``_get_tile_size`` before any
-launch, launch ``kernel_unified_attention[grid](...)`` first with keyword arguments only, and
-pass ``TILE_SIZE_DECODE`` to ``reduce_segments``. (Their INT4 path hands the call to another
-kernel before that; its tile is not changed.) On Blackwell (sm_100) with head size 256 the
-wrapper overrides the prefill tile after ``_get_tile_size``: such a launch does not match the
-check above and is left to the engine.
+Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``kernel_unified_attention`` with the
+parameters read above and ``TILE_SIZE`` sizing its blocks, and ``_get_tile_size(head_size, sliding_window,
+element_size, is_prefill)``. Not required: every load ``TILE_SIZE`` indexes masked, since the block-table load is not
+(it reads the entries of the last tile's positions past the sequence end, no further than the larger tile did; the
+KV loads they address are masked). Every release from 0.27 to 0.34 has all of it (``PATCH.checked``,
+``vllm/v1/attention/ops/triton_unified_attention.py`` in each): both choose ``TILE_SIZE_PREFILL``/``TILE_SIZE_DECODE``
+with ``_get_tile_size`` before any launch, launch ``kernel_unified_attention[grid](...)`` first with keyword
+arguments only, and pass ``TILE_SIZE_DECODE`` to ``reduce_segments``. (Their INT4 path hands the call to another
+kernel before that; its tile is not changed.) On Blackwell (sm_100) with head size 256 the wrapper overrides the
+prefill tile after ``_get_tile_size``, and 0.34 adds AMD RDNA prefill overrides and a tensor-descriptor clamp to the
+block size: such a launch does not match the check above and is left to the engine.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ from __future__ import annotations
 import inspect
 
 from ..facts.versions import Supported
+from . import Kernels
 from ._tile_choice import TileChoice
 
-TARGET_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
+HOMES = ("vllm.v1.attention.ops.triton_unified_attention",)
 WRAPPER = "unified_attention"
 TILE_CHOICE = "_get_tile_size"
 KERNEL = "kernel_unified_attention"
 
 _TILE_CHOICE_PARAMETERS = ("head_size", "sliding_window", "element_size", "is_prefill")
-_KERNEL_PARAMETERS = {"query_ptr", "TILE_SIZE", "HEAD_SIZE", "SLIDING_WINDOW", "IS_3D"}
+_KERNEL_PARAMETERS = ("query_ptr", "TILE_SIZE", "HEAD_SIZE", "SLIDING_WINDOW", "IS_3D")
 #: ``tl.dot`` needs K >= 16; vLLM keeps fp8 (one-byte) queries at 32 or more.
 _SMALLEST_TILE = {1: 32}
 _DEFAULT_SMALLEST_TILE = 16
@@ -78,29 +81,22 @@ def _launch_shape(args, kwargs) -> tuple:
             not kwargs["IS_3D"])
 
 
-def _wrapper_tile(choose, shape: tuple, learnt: int | None) -> int:
+def _wrapper_tile(module, choose, shape: tuple, learnt: int | None) -> int:
     tile = choose(*shape)
     return tile if learnt is None or learnt >= tile else learnt
 
 
-def _check(module, kernel) -> None:
-    """Raise when the module is not laid out as the versions this was checked against."""
-    choice = getattr(module, TILE_CHOICE, None)
-    wrapper = getattr(module, WRAPPER, None)
-    if choice is None or wrapper is None:
-        raise RuntimeError(f"{TARGET_MODULE} has no {TILE_CHOICE} or {WRAPPER}")
-    if tuple(inspect.signature(choice).parameters) != _TILE_CHOICE_PARAMETERS:
-        raise RuntimeError(f"{TARGET_MODULE}.{TILE_CHOICE}{inspect.signature(choice)} is not "
-                           f"({', '.join(_TILE_CHOICE_PARAMETERS)})")
-    missing = _KERNEL_PARAMETERS - set(kernel.arg_names)
-    if missing:
-        raise RuntimeError(f"{TARGET_MODULE}.{KERNEL} has no parameter {', '.join(sorted(missing))}")
+def _chooses_by_shape(module) -> bool:
+    return tuple(inspect.signature(getattr(module, TILE_CHOICE)).parameters) == _TILE_CHOICE_PARAMETERS
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
 PATCH = TileChoice(
-    __name__, supported=Supported("vllm", (0, 32), (0, 34), label="vLLM"), checked=("0.32.0", "0.33.0", "0.34.0"),
-    module=TARGET_MODULE, wrapper=WRAPPER, choice=TILE_CHOICE, kernel=KERNEL, tile="TILE_SIZE",
-    shape_fields=_TILE_CHOICE_PARAMETERS, choice_shape=_choice_shape, launch_shape=_launch_shape,
-    wrapper_tile=_wrapper_tile, smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE),
-    check=_check)
+    __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
+    checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
+    kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("TILE_SIZE",),
+                    reads=((f"{TILE_CHOICE}({', '.join(_TILE_CHOICE_PARAMETERS)})", _chooses_by_shape),
+                           (WRAPPER, lambda module: callable(getattr(module, WRAPPER))))),
+    wrapper=WRAPPER, choice=TILE_CHOICE, tile="TILE_SIZE", shape_fields=_TILE_CHOICE_PARAMETERS,
+    choice_shape=_choice_shape, launch_shape=_launch_shape, wrapper_tile=_wrapper_tile,
+    smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE))
