@@ -22,7 +22,7 @@ from smemguard.store import decision_cache
 from smemguard.testing import fake_gpu, load_check_failures as load_checks
 
 from conftest import records
-from kernels import depth_parameter_matmul, matmul_args, matmul_kernel
+from kernels import autotuned, config, depth_parameter_matmul, matmul_args, matmul_kernel
 
 MATMUL = "smemguard.examples:matmul_kernel"
 
@@ -88,6 +88,28 @@ def test_a_pipeline_depth_parameter_is_lowered_with_a_pinned_option_and_warps_ar
     [record] = records(incident_log)
     assert record["final"] == "num_stages=2, num_warps=2, NUM_STAGES=2"
     assert record["constexprs"]["NUM_STAGES"] == 5, "the compile as asked"
+
+
+def test_an_autotuner_times_each_config_as_pinned_and_one_record_says_so(install_guard, incident_log, triton_cache):
+    """The 5-stage config is timed (and would run) as its pinned 2-stage variant, the 2-stage one as asked: nothing
+    raises inside the benchmark, and one record for the kernel, not one per config."""
+    kernel = autotuned([config(128, 128, 64, 5), config(128, 128, 64, 3, num_warps=8)])
+    install_guard(core=True, pins=(pinned(num_stages=2),))
+    with load_checks() as raised, fake_gpu("L4", cache_dir=triton_cache) as gpu:
+        gpu.bench_ms = iter([1.0, 2.0] * 100).__next__  # the first config's variant times fastest
+        kernel[lambda meta: (2, 2)](*matmul_args(*operands()))
+    assert raised == [] and (gpu.launches[-1].num_stages, gpu.launches[-1].num_warps) == (2, 4)
+    assert [(record["action"], record["num_stages"]) for record in records(incident_log)] == [("pinned", 5)]
+
+
+def test_a_pin_by_amd_arch_applies_on_an_mi300x(install_guard, incident_log, triton_cache):
+    """gfx942 keeps (S-1) stages in LDS: 128x128x64 at 5 stages needs 131072 B of the MI300X's 65536."""
+    install_guard(core=True, pins=(pinned(gpu="gfx942", num_stages=2),))
+    with load_checks() as raised, fake_gpu("MI300X", cache_dir=triton_cache) as gpu:
+        five_stages()
+    assert raised == [] and gpu.launches[-1].num_stages == 2 and gpu.launches[-1].shared <= 65536
+    [record] = records(incident_log)
+    assert record["action"] == "pinned" and record["device"]["arch"] == "gfx942"
 
 
 @pytest.mark.parametrize("gpu, stand_in, emulated, stages", [

@@ -166,8 +166,8 @@ def pins_in_force(settings, command: str) -> tuple[pins.Pin, ...]:
 
 def _list(command: str, args, directory: Path | None, refusal: str | None) -> int:
     """The pins in force, the file's and the cache's (the cache's that the file overrides named as such)."""
-    stored, usable = stored_pins(directory, command) if refusal is None else ([], True)
-    if refusal is not None and not args.json:
+    stored, usable = stored_pins(directory, command) if refusal is None else ([], False)
+    if refusal is not None:
         print(f"{command}: {refusal}; only {PINS}'s pins are listed", file=sys.stderr)
     in_force = pins.in_force(args.settings.pins, stored)
     if args.json:
