@@ -91,9 +91,12 @@ def pinned_compile(engine, compile_fn, args: tuple, kwargs: dict):
         why = str(error)
     if why is not None:
         return _refused(pin, name, device, why)
+    try:
+        kernel = compile_fn(ASTSource(jit, source.signature, constants, source.attrs), target,
+                            {**(options or {}), **changes}, **rest)
+    except Exception as error:  # Triton's own refusal of the options (the kernel as asked may compile)
+        return _refused(pin, name, device, f"its variant does not compile ({introspect.error_summary(error)})")
     started = time.perf_counter()
-    kernel = compile_fn(ASTSource(jit, source.signature, constants, source.attrs), target,
-                        {**(options or {}), **changes}, **rest)
     shared = kernel.metadata.shared
     if shared > limit:
         return _refused(pin, name, device, f"its variant needs {shared} B, over the {limit} B limit here")
