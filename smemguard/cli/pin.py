@@ -50,9 +50,6 @@ line), no such pin to remove, a cache directory that is unusable, read-only or o
 decision file that is not smemguard's, or pins of the cache that are no pins (named, left out).
 """
 
-CACHE_ORIGIN = "the decision cache"
-
-
 def add_pin_command(commands, run) -> argparse.ArgumentParser:
     """Add ``pin`` to an argparse subparsers object; ``run(args)`` runs the parsed command."""
     parser = commands.add_parser("pin", help=HELP, description=DESCRIPTION, epilog=EPILOG,
@@ -102,7 +99,7 @@ def run(args, directory: Path | None, refusal: str | None) -> int:
         print(f"{command}: {untrusted.printable(str(directory))} is read-only: its pins apply, but this command "
               "writes; nothing was changed", file=sys.stderr)
         return 2
-    pin = pins.of(named, CACHE_ORIGIN)
+    pin = pins.of(named, pins.CACHE_ORIGIN)
     try:
         decision_cache.read(store.path)  # a file that is not smemguard's is refused, never moved aside or rewritten
         before = store.edit("pins", pin.table_key, None if args.action == "remove" else {
@@ -121,9 +118,9 @@ def _said(command: str, action: str, pin: pins.Pin, before: dict | None, path: P
         print(f"{command}: no pin of {where} in {shown_path}; nothing was changed", file=sys.stderr)
         return 2
     if action == "remove":
-        print(f"removed the pin of {where} ({pins.of(before, CACHE_ORIGIN).options_text()}) from {shown_path}")
+        print(f"removed the pin of {where} ({pins.of(before, pins.CACHE_ORIGIN).options_text()}) from {shown_path}")
     else:
-        replaced = f", replacing {pins.of(before, CACHE_ORIGIN).options_text()}" if before is not None else ""
+        replaced = f", replacing {pins.of(before, pins.CACHE_ORIGIN).options_text()}" if before is not None else ""
         print(f"pinned {where}: {pin.options_text()} in {shown_path}{replaced}")
     declared = next((declared for declared in settings.pins if declared.key == pin.key), None)
     if declared is not None:
@@ -155,7 +152,7 @@ def stored_pins(directory: Path, command: str) -> tuple[list[pins.Pin], bool]:
     for problem in left_out:
         print(f"{command}: {untrusted.printable(str(path))}: {untrusted.printable(problem)}; left out",
               file=sys.stderr)
-    return [pins.of(entry, f"{CACHE_ORIGIN}, {path}") for entry in data["pins"].values()], not left_out
+    return [pins.of(entry, f"{pins.CACHE_ORIGIN}, {path}") for entry in data["pins"].values()], not left_out
 
 
 def pins_in_force(settings, command: str) -> tuple[pins.Pin, ...]:

@@ -42,6 +42,9 @@ what the decision cache holds of it: the fewer-stage (or fewer-warp) options to 
 ``OutOfResources`` it would raise, raised before compiling it (checked as :mod:`smemguard.engine.recall` checks an
 entry). Both are the engine at Triton's compile, so they live here together.
 
+An operator's pins apply at the same seam, before Triton compiles (:mod:`smemguard.engine.pins`, which uses
+:func:`compile_arguments`, :func:`loading_device` and :func:`compile_description` of this module).
+
 One incident record per case (``phase: "compile"``, ``launched_as: "triton.compile"``), counted in the
 metrics, and a ``compile`` decision keyed as the launch guard keys it: the next process's JIT compiles
 the fitting variant first (``patches/jit_compile``), and this one compiles it from the store when Triton
@@ -272,9 +275,8 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
             return None
         variant = ASTSource(jit, source.signature, constants, source.attrs)
         compiled = compile_fn(variant, target, {**(options or {}), "num_stages": count}, **rest)
-        lowered = {jit.arg_names[path[0]]: value for path, value in constants.items()
-                   if source.constants.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
-        attempts.append({"num_stages": count, **lowered, "shared": compiled.metadata.shared})
+        attempts.append({"num_stages": count, **changed_parameters(jit, source.constants, constants),
+                         "shared": compiled.metadata.shared})
         return compiled
 
     with process.engine_compiling.scope():
@@ -294,6 +296,12 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
             _store(case, kernel, count, overflow, settings)
     process.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
+
+
+def changed_parameters(jit, asked: dict, lowered: dict) -> dict:
+    """The parameters, by name, whose value in packed constexprs ``lowered`` is not the one ``asked`` holds."""
+    return {jit.arg_names[path[0]]: value for path, value in lowered.items()
+            if asked.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
 
 
 def _fewer_stages(compile_at, stages: int, required: int, limit: int):

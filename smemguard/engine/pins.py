@@ -34,15 +34,12 @@ from .steps import Steps
 
 log = logging.getLogger(__name__)
 
-CACHE_ORIGIN = "the decision cache"
-
-
 def in_force(settings) -> tuple[pins.Pin, ...]:
     """The pins of this process: the ``SMEMGUARD_PINS`` file's, and the decision cache's it does not override."""
     store = decision_cache.store(settings.cache_dir)
     if store is None or not store.holds("pins"):  # every compile asks: a stat of the file, no more
         return settings.pins
-    return pins.in_force(settings.pins, (pins.of(entry, CACHE_ORIGIN) for entry in store.entries("pins").values()))
+    return pins.in_force(settings.pins, (pins.of(entry, pins.CACHE_ORIGIN) for entry in store.entries("pins").values()))
 
 
 def gpu_names(settings, device: int) -> tuple[str, ...]:
@@ -100,8 +97,7 @@ def pinned_compile(engine, compile_fn, args: tuple, kwargs: dict):
     shared = kernel.metadata.shared
     if shared > limit:
         return _refused(pin, name, device, f"its variant needs {shared} B, over the {limit} B limit here")
-    lowered = {jit.arg_names[path[0]]: value for path, value in constants.items()
-               if source.constants.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
+    lowered = compile_fit.changed_parameters(jit, source.constants, constants)
     if engine.memory.first("pinned", (name, device, limit, pin)):
         steps = Steps(name)
         with steps.skippable("record the pin"):

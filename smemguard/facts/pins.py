@@ -36,6 +36,8 @@ OPTIONS = ("num_stages", "num_warps")
 #: What a pin holds; the decision cache's entries also say what and where (``action``, ``time``, ``host``, ``pid``).
 FIELDS = ("kernel", "gpu", *OPTIONS)
 STORED = ("action", "time", "host", "pid")
+#: Where the pins of the decision cache's table come from, for people (the file's say ``SMEMGUARD_PINS``).
+CACHE_ORIGIN = "the decision cache"
 #: The GPU a pin names: by name, arch or limit (the order in which a more specific one wins).
 BY_NAME, BY_ARCH, BY_LIMIT = "name", "arch", "limit"
 
