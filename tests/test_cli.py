@@ -151,7 +151,7 @@ def test_every_command_reports_bad_settings_as_install_does(monkeypatch, capsys)
         "smemguard: SMEMGUARD='bogus' ignored: unknown mode; accepted: on | off | observe | strict. Using the default.",
         "smemguard: SMEMGUARD_CACHEDIR is not a smemguard setting (did you mean SMEMGUARD_CACHE_DIR?); known: "
         "SMEMGUARD, SMEMGUARD_MAX_SHARED, SMEMGUARD_LOG, SMEMGUARD_CACHE_DIR, SMEMGUARD_METRICS_FILE, "
-        "SMEMGUARD_DISABLE, SMEMGUARD_EMULATE_PROPERTIES."]
+        "SMEMGUARD_DISABLE, SMEMGUARD_EMULATE_PROPERTIES, SMEMGUARD_PINS."]
 
 
 def test_an_unknown_patch_in_smemguard_disable_is_reported_like_an_unknown_setting(monkeypatch, capsys, caplog):

@@ -28,7 +28,8 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
 
 
 def _spelled(parser: argparse.ArgumentParser) -> set[str]:
-    """The flags (every option string) and the choices of the positional arguments a user types."""
+    """The flags (every option string) and the choices of the positional arguments a user types, those of a
+    command's own subcommands (``pin add``) included."""
     words = set()
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
@@ -36,6 +37,8 @@ def _spelled(parser: argparse.ArgumentParser) -> set[str]:
         words.update(action.option_strings)
         if not action.option_strings and action.choices:
             words.update(action.choices)
+        if isinstance(action, argparse._SubParsersAction):
+            words.update(word for subcommand in action.choices.values() for word in _spelled(subcommand))
     return words
 
 

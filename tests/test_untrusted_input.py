@@ -33,12 +33,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import smemguard
 from smemguard.cli import commands, replay
-from smemguard.store import decision_cache
+from smemguard.store import decision_cache, entry_rules
 from smemguard.facts import gpus
 from smemguard.store.decision import (
     BLOCKS_REDUCED,
     CONFIG_CHANGED,
     FALLBACK,
+    PINNED,
     RERAISED,
     STAGES_REDUCED,
     TILES_REDUCED,
@@ -100,6 +101,8 @@ DECISIONS = {"schema": 1, "compile": {
     "f" * 24: {**_CASE, "wrapper": "m:w", "choice": "m:c", "tile": "BLOCK_M,BLOCK_N", "shape": [["n", 1]],
                "action": "tiles_reduced", "from_config": "BLOCK_M=128 BLOCK_N=64", "final": "BLOCK_M=64 BLOCK_N=64",
                "value": [64, 64], "resource": "shared memory", "required": 24576},
+}, "pins": {
+    "m:k* on L4": {"action": "pinned", "kernel": "m:k*", "gpu": "L4", "num_stages": 2, "num_warps": 4, "pid": 1},
 }}
 
 # Text with every code point: control characters, lone surrogates, right-to-left marks.
@@ -328,6 +331,8 @@ def test_every_command_reports_any_settings_in_one_line_each(fresh, data):
         "SMEMGUARD_CACHE_DIR": data.draw(st.sampled_from([str(home / "c"), str(home / "a-file"), "off", "OFF",
                                                           "~nobody-here", "/x" * 3000])
                                          | _env_text.map(lambda t: str(home / t))),
+        "SMEMGUARD_PINS": data.draw(st.sampled_from(["", str(home / "a-file"), str(home / "a-fifo"), str(home),
+                                                     "~nobody-here/p.json", "/x" * 3000]) | _env_text),
         **data.draw(st.dictionaries(_env_text.filter(lambda t: "=" not in t).map(lambda t: "SMEMGUARD_" + t),
                                     _env_text, max_size=2)),
     }
@@ -373,9 +378,9 @@ def test_a_number_too_long_for_python_is_a_bad_line_not_a_crash(fresh, capsys):
     assert "smemguard.examples:matmul_kernel" in out
 
 
-def test_the_decision_actions_are_recoverys_own():
-    stored = {STAGES_REDUCED, WARPS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, BLOCKS_REDUCED, TILES_REDUCED}
-    assert {action for actions in decision_cache.ACTIONS.values() for action in actions} == stored
+def test_the_decision_actions_are_recoverys_own_and_the_pins():
+    stored = {STAGES_REDUCED, WARPS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, BLOCKS_REDUCED, TILES_REDUCED, PINNED}
+    assert {action for actions in entry_rules.ACTIONS.values() for action in actions} == stored
 
 
 def test_a_cached_entry_recovery_cannot_apply_is_set_aside_and_the_launch_still_recovers(tmp_path, install_guard,

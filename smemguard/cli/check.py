@@ -395,6 +395,8 @@ def _checked(args) -> Report | None:
     from .. import preflight
     from ..preflight import ResultCache, TargetError, check, discover
     from ..preflight.discovery import files_read
+    from ..preflight.pins import check_pins
+    from .pin import pins_in_force
 
     refusal = args.decisions and _unwritable(args.decisions)
     if refusal:
@@ -420,6 +422,8 @@ def _checked(args) -> Report | None:
                   "compiled", file=sys.stderr, flush=True)
         report = check(kernels, gpu_list, exact=args.exact, jobs=jobs, cache=cache,
                        progress=None if args.quiet else _progress_printer(), import_timeout=args.timeout)
+        report.pinned = check_pins(report, pins_in_force(args.settings, "smemguard check"), exact=args.exact,
+                                   jobs=jobs, cache=cache, import_timeout=args.timeout)
     except TargetError as error:
         print(f"smemguard check: {error}", file=sys.stderr)
         return None

@@ -31,14 +31,15 @@ examples:
   smemguard report --format prometheus rank*.jsonl   the same as the series smemguard exports to /metrics
   smemguard replay incidents.jsonl --index 3   rebuild record 3's launch and run it again
   smemguard cache show           the decisions this host remembers
+  smemguard pin add my.kernels:matmul --gpu L4 --num-stages 2   compile that kernel with at most 2 stages on an L4
   smemguard run -- python train.py   guard a program and every Python process it starts, no code change
 
 settings (environment): SMEMGUARD=on|off|observe|strict, SMEMGUARD_MAX_SHARED=<bytes|GPU>,
 SMEMGUARD_LOG=<incidents.jsonl>, SMEMGUARD_CACHE_DIR=<dir|off>, SMEMGUARD_METRICS_FILE=<file.prom>,
 SMEMGUARD_DISABLE=<patch,...> (the names 'smemguard versions' lists), SMEMGUARD_EMULATE_PROPERTIES=0 (under
-SMEMGUARD_MAX_SHARED, torch and vLLM report the device's own shared memory and name). See the README.
-Every command reports a malformed setting in one line on stderr, as install() does; with SMEMGUARD=strict
-it then stops (2).
+SMEMGUARD_MAX_SHARED, torch and vLLM report the device's own shared memory and name), SMEMGUARD_PINS=<pins.json>.
+See the README. Every command reports a malformed setting in one line on stderr, as install() does; with
+SMEMGUARD=strict it then stops (2).
 
 exit status (every command): 0 done; 1 a finding (check: a kernel has no fitting config on some GPU;
 replay: the record did not replay as recorded); 2 bad input: a usage error, a missing or unreadable
@@ -201,8 +202,9 @@ def _entry_line(entry: dict) -> str:
     where = " ".join(part for part in (
         str(entry.get("kernel") or "a kernel"), f"on {entry['gpu']}" if entry.get("gpu") else "",
         f"(limit {entry['limit']} B)" if entry.get("limit") is not None else "") if part)
-    change = " ".join(str(part) for part in (entry.get("from_config"), "->", entry["action"], entry.get("final"))
-                      if part)
+    final = entry.get("final") or " ".join(f"{name}={entry[name]}" for name in ("num_stages", "num_warps")
+                                           if name in entry)  # a pin's
+    change = " ".join(str(part) for part in (entry.get("from_config"), "->", entry["action"], final) if part)
     return f"{where}: {change}"
 
 
@@ -253,7 +255,9 @@ def _cache(args) -> int:
             if not store.path.exists():
                 print(f"no decisions in {shown_path}: nothing to forget")
             else:
-                print(f"forgot {untrusted.counted(store.clear(), 'decision')} in {shown_path}")
+                print(f"forgot {untrusted.counted(store.clear(), 'decision')} in {shown_path}" + (
+                    f"; its {untrusted.counted(len(data['pins']), 'pin')} stay ('smemguard pin remove' takes them)"
+                    if data["pins"] else ""))
         else:
             return _import(command, store, Path(args.file))
     except files.Refused as refusal:
@@ -264,6 +268,12 @@ def _cache(args) -> int:
                                                           if error.filename else ""), file=sys.stderr)
         return 2
     return status
+
+
+def _pin(args) -> int:
+    from . import pin
+
+    return pin.run(args, *_cache_directory(args))
 
 
 def _unreadable(path: Path, error: OSError) -> str:
@@ -323,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"smemguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     from .check import add_check_command
+    from .pin import add_pin_command
     from .run import add_run_command
 
     _add_demo_command(commands)
@@ -330,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_command(commands)
     _add_replay_command(commands)
     _add_cache_command(commands)
+    add_pin_command(commands, _pin)
     _add_versions_command(commands)
     add_check_command(commands)
     add_run_command(commands)
@@ -493,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..facts import settings
 
     args.settings = settings.load()
-    if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command == "cache" else ()):
+    if not _report_settings(args.settings, (settings.CACHE_DIR,) if args.command in ("cache", "pin") else ()):
         return 2
     try:
         with process.quiet_warnings(), stdout.until_the_reader_leaves():  # what the command imports and compiles

@@ -33,6 +33,7 @@ from ..facts import gpus, process, untrusted
 from ..facts.settings import Settings
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, one_of, printable, shown
 from ..store import decision_cache, record_fields
+from ..store.decision import PINNED
 from . import rebuild
 from .rebuild import COMPILING, MAX_GRID, MAX_INT, ReplayError, bounded, bounded_list
 from .report import Problems, Record, read
@@ -174,7 +175,8 @@ def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
         raise ReplayError("cannot replay this record:\n  " + "\n  ".join(found))
     limit = limit or record["limit_hit"]
     say(f"record {printable(record.get('id', '?'))}: {record['kernel']} ({printable(record.get('source', '?'))}), "
-        f"{printable(record['resource'])} {record['required']} B > {_limit_line(record)}")
+        f"{printable(record['resource'])} {record['required']} B {'of' if record['action'] == PINNED else '>'} "
+        f"{_limit_line(record)}")
     grid = record["grid"] if launched else [1]
     say(f"  config {printable(record['config'])}, grid {grid if launched else '(none recorded)'}, action then: "
         f"{printable(record['action'])}")
@@ -184,6 +186,8 @@ def replay(record: dict, limit: int | None, say: Callable[[str], None]) -> int:
     if record["resource"] != "shared memory":
         say(f"  note: replay emulates shared memory only; this record is about {printable(record['resource'])}")
     launch = _launcher(jit, record, recorded, grid)
+    if record["action"] == PINNED:
+        return _replay_pinned(record, launch, limit, say)
     if torch.cuda.is_available() and launched:
         return _replay_on_gpu(jit, record, launch, limit, say)
     return _replay_compile_only(obj, jit, record, launch, limit, say)
@@ -304,6 +308,30 @@ def _recovery_as_recorded(record: dict, launch, limit: int, scratch: str, say) -
         return True
     say(f"  not recovered: the launch still fails: {_first_line(outcome)}")
     return False
+
+
+def _replay_pinned(record: dict, launch, limit: int, say) -> int:
+    """A pin's record (nothing failed): the config the pin chose compiled again for the recorded arch, on a stand-in
+    (nothing executes); 0 when it fits with the bytes recorded, 1 when not (the pin would be refused there)."""
+    from triton.runtime.errors import OutOfResources
+
+    from ..testing import fake_gpu
+
+    arch = record["device"]["arch"]
+    say(f"  a pin chose this compile, nothing failed: compiling the config it chose ({printable(record['final'])}) "
+        f"for {arch if isinstance(arch, str) else f'sm_{arch}'} under {limit} B")
+    with fake_gpu(_stand_in(arch), max_shared=limit) as gpu:
+        try:
+            launch(COMPILING, rebuild.chosen_settings(record["final"]))
+        except OutOfResources as error:
+            say(f"  it needs {error.required} B, over {limit} B: the pin would be refused here")
+            return 1
+        except Exception as error:
+            raise _launch_failed(error) from None
+    shared = gpu.launches[-1].shared
+    same = "as recorded" if shared == record["required"] else f"recorded {record['required']} B"
+    say(f"  it needs {shared} B and fits {limit} B ({same})")
+    return 0 if shared == record["required"] else 1
 
 
 def _stand_in(arch):

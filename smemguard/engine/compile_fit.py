@@ -42,6 +42,9 @@ what the decision cache holds of it: the fewer-stage (or fewer-warp) options to 
 ``OutOfResources`` it would raise, raised before compiling it (checked as :mod:`smemguard.engine.recall` checks an
 entry). Both are the engine at Triton's compile, so they live here together.
 
+An operator's pins apply at the same seam, before Triton compiles (:mod:`smemguard.engine.pins`, which uses
+:func:`compile_arguments`, :func:`loading_device` and :func:`compile_description` of this module).
+
 One incident record per case (``phase: "compile"``, ``launched_as: "triton.compile"``), counted in the
 metrics, and a ``compile`` decision keyed as the launch guard keys it: the next process's JIT compiles
 the fitting variant first (``patches/jit_compile``), and this one compiles it from the store when Triton
@@ -180,7 +183,7 @@ def fit(engine, compile_fn, args: tuple, kwargs: dict, kernel):
         steps.note("fit the compiled kernel", "it is handed on as compiled")
     if fitted is None and _timing_a_triton_config():
         with steps.skippable("record the skipped config"):
-            _record_skipped(engine, _bound(args, kwargs)[0], kernel, overflow, steps)
+            _record_skipped(engine, compile_arguments(args, kwargs)[0], kernel, overflow, steps)
     return kernel if fitted is None else fitted
 
 
@@ -196,7 +199,7 @@ def _name(args) -> str:
     return introspect.kernel_name(getattr(source, "fn", None) or "a compiled kernel")
 
 
-def _bound(args: tuple, kwargs: dict):
+def compile_arguments(args: tuple, kwargs: dict):
     """(source, target, options, the other keywords) of a ``compile(src, target=None, options=None, ...)`` call."""
     names = ("src", "target", "options")
     bound = dict(zip(names, args))
@@ -211,16 +214,23 @@ def _overflow(args, kwargs, kernel) -> tuple[int, int, int] | None:
     shared = getattr(metadata, "shared", None)
     if not isinstance(shared, int):
         return None
+    device = loading_device(compile_arguments(args, kwargs)[1])
+    if device is None:
+        return None
+    limit = process.effective_limit(device)
+    return (device, shared, limit) if shared > limit else None
+
+
+def loading_device(target) -> int | None:
+    """The device a kernel compiled for ``target`` will load on: the current one, in a process that uses its GPU;
+    None for a compile-only process (a compile worker: no device to read a limit from) or a cross-compile."""
     from triton.runtime import driver
 
     if getattr(driver, "_active", True) is None and not _gpu_in_use():
-        return None  # a compile-only process (a compile worker): no device to read a limit from
-    _, target, _, _ = _bound(args, kwargs)
+        return None
     if target is not None and target != driver.active.get_current_target():
-        return None  # a cross-compile: not for this device
-    device = process.current_device()
-    limit = process.effective_limit(device)
-    return (device, shared, limit) if shared > limit else None
+        return None
+    return process.current_device()
 
 
 def _gpu_in_use() -> bool:
@@ -241,7 +251,7 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
 
     settings = engine.settings
     device, required, limit = overflow
-    source, target, options, rest = _bound(args, kwargs)
+    source, target, options, rest = compile_arguments(args, kwargs)
     stages = kernel.metadata.num_stages
     jit = getattr(source, "fn", None)
     if not isinstance(source, ASTSource) or stages <= 1 or jit is None:
@@ -265,9 +275,8 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
             return None
         variant = ASTSource(jit, source.signature, constants, source.attrs)
         compiled = compile_fn(variant, target, {**(options or {}), "num_stages": count}, **rest)
-        lowered = {jit.arg_names[path[0]]: value for path, value in constants.items()
-                   if source.constants.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
-        attempts.append({"num_stages": count, **lowered, "shared": compiled.metadata.shared})
+        attempts.append({"num_stages": count, **changed_parameters(jit, source.constants, constants),
+                         "shared": compiled.metadata.shared})
         return compiled
 
     with process.engine_compiling.scope():
@@ -287,6 +296,12 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
             _store(case, kernel, count, overflow, settings)
     process.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
+
+
+def changed_parameters(jit, asked: dict, lowered: dict) -> dict:
+    """The parameters, by name, whose value in packed constexprs ``lowered`` is not the one ``asked`` holds."""
+    return {jit.arg_names[path[0]]: value for path, value in lowered.items()
+            if asked.get(path) != value and len(path) == 1 and path[0] < len(jit.arg_names)}
 
 
 def _fewer_stages(compile_at, stages: int, required: int, limit: int):
@@ -342,7 +357,7 @@ def _record(engine, source, kernel, fitted, final: str, overflow, attempts, reme
     stages = kernel.metadata.num_stages
     described = {}
     with steps.skippable("describe the launch"):
-        described = _described(source, kernel)
+        described = compile_description(source, kernel)
     phase = described.pop("phase", "compile")
     # An autotuner times each config: one record per kernel and shape class, not one per config timed.
     if phase == "autotune" and not engine.memory.first("autotune", (name, device, limit, _shape_class(described),
@@ -364,7 +379,7 @@ def _record_skipped(engine, source, kernel, overflow, steps: Steps) -> None:
     Recorded once per kernel and shape class as ``autotune_skipped``, never as a failed launch."""
     device, required, limit = overflow
     name = introspect.kernel_name(source.fn)
-    described = _described(source, kernel)
+    described = compile_description(source, kernel)
     described.pop("phase", None)
     if not engine.memory.first("autotune", (name, device, limit, _shape_class(described), AUTOTUNE_SKIPPED)):
         return
@@ -388,7 +403,7 @@ def _shape_class(described: dict):
                         if isinstance(arg, dict)))
 
 
-def _described(source, kernel) -> dict:
+def compile_description(source, kernel) -> dict:
     """What the record says of the compile: what it was given (Triton's signature, specialization and constexprs:
     what was compiled, whatever the launch passed), and the launch that caused it (its shapes, grid and config,
     and the phase: a launch's compile, a warm-up's, or an autotuner timing a config)."""

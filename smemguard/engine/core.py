@@ -95,6 +95,20 @@ class Engine:
         with process.engine_compiling.scope():
             return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, self.settings, self.decided)
 
+    def pinned_compile(self, compile_fn, args, kwargs):
+        """The kernel compiled with the options pinned for it on this GPU (:mod:`.pins`), or None: compile as
+        asked (no pin applies, or it was refused)."""
+        from . import pins
+
+        if self.closed:
+            return None
+        try:
+            return pins.pinned_compile(self, compile_fn, args, kwargs)
+        except Exception:
+            process.warn_once(log, ("pins", "internal"), "smemguard: internal error while applying a pin; the kernel "
+                              "is compiled as asked (smemguard's bug: please report it)", exc_info=True)
+            return None
+
     def on_compiled(self, compile_fn, args, kwargs, kernel):
         """The kernel Triton compiled, or a fewer-stage compile of it that fits (:mod:`.compile_fit`)."""
         from . import compile_fit

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from . import gpus
+from . import files, gpus, pins, untrusted
 
 #: ``on`` (default): recover from shared-memory overflows. ``off``: install nothing.
 #: ``observe``: write incident records and log, change nothing. ``strict``: like ``on``,
@@ -48,7 +48,11 @@ DISABLE = "SMEMGUARD_DISABLE"
 #: would choose there.
 EMULATE_PROPERTIES = "SMEMGUARD_EMULATE_PROPERTIES"
 
-KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE, DISABLE, EMULATE_PROPERTIES)
+#: Path of a JSON file of pins: the options a kernel compiles with on a GPU (:mod:`smemguard.facts.pins`), merged
+#: over those ``smemguard pin add`` keeps in the decision cache. Unset: the cache's pins only.
+PINS = "SMEMGUARD_PINS"
+
+KNOWN = (MODE, MAX_SHARED, LOG, CACHE_DIR, METRICS_FILE, DISABLE, EMULATE_PROPERTIES, PINS)
 
 
 class SettingsError(ValueError):
@@ -66,6 +70,8 @@ class Settings:
     metrics_file: Path | None = None
     disabled: tuple[str, ...] = ()  # patch modules named in SMEMGUARD_DISABLE (unknown names are reported at install)
     emulate_properties: bool = True  # SMEMGUARD_EMULATE_PROPERTIES: what the device reports follows the emulation
+    pins: tuple[pins.Pin, ...] = ()  # the pins of the SMEMGUARD_PINS file
+    pins_file: Path | None = None
 
     @property
     def enabled(self) -> bool:
@@ -187,15 +193,22 @@ def _unwritable_reason(path: Path) -> str | None:
     return None
 
 
-def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]:
-    """The path ``value`` names (``~`` expanded), and why it cannot be written as a file (or as a
-    directory), None when it can. Never raises: every reason is a problem line."""
+def _readable_path(value: str) -> tuple[Path | None, str | None]:
+    """The path ``value`` names (``~`` expanded), or None and why it names none."""
     if not value.strip().isprintable():  # a newline would let a setting forge log lines wherever the path is shown
         return None, "it holds a control character (a newline, a tab, an escape)"
     try:
-        path = Path(value.strip()).expanduser()
+        return Path(value.strip()).expanduser(), None
     except RuntimeError:  # ~user, and no such user
         return None, "no such user's home directory"
+
+
+def _checked_path(value: str, directory: bool) -> tuple[Path | None, str | None]:
+    """The path ``value`` names (``~`` expanded), and why it cannot be written as a file (or as a
+    directory), None when it can. Never raises: every reason is a problem line."""
+    path, reason = _readable_path(value)
+    if path is None:
+        return None, reason
     try:
         if path.is_file() if directory else path.is_dir():
             return path, "is a file" if directory else "is a directory"
@@ -251,6 +264,39 @@ def _parse_cache_dir(value: str | None, environ: Mapping[str, str], problems: li
     return path
 
 
+PINS_ACCEPTED = ('a readable JSON file of pins, e.g. {"pins": [{"kernel": "my.kernels:matmul", "gpu": "L4", '
+                 '"num_stages": 2}]} (smemguard pin --help)')
+
+
+def _parse_pins(value: str | None, problems: list[str]) -> tuple[Path | None, tuple[pins.Pin, ...]]:
+    """The pins of the file ``value`` names; a file that cannot be read or holds no pins is one problem line, and
+    so are the pins it holds that are left out (the others apply)."""
+    if value is None or value.strip() == "":
+        return None, ()
+    path, reason = _readable_path(value)
+    found: tuple[pins.Pin, ...] = ()
+    left_out: list[str] = []
+    if path is not None:
+        try:
+            files.check_trusted(path)  # it chooses what compiles, as the decision cache does
+            document, reason = untrusted.loads(files.read_bytes(path, pins.MAX_FILE).decode("utf-8"))
+            if reason is None:
+                found, left_out = pins.parse(document, PINS)
+                more = f" (and {len(left_out) - 1} more pins)" if len(left_out) > 1 else ""
+                reason = left_out[0] + more if left_out and not found else None
+        except UnicodeDecodeError as error:
+            reason = f"not UTF-8 text (byte {error.start})"
+        except OSError as error:  # missing, unreadable, a FIFO, too large, writable by others
+            reason = str(error) if isinstance(error, files.Refused) else error.strerror or str(error)
+    if reason is not None:
+        problems.append(_problem(PINS, value, reason, PINS_ACCEPTED) + " No pin of it applies.")
+        return path, ()
+    if left_out:
+        more = f" (and {len(left_out) - 1} more pins)" if len(left_out) > 1 else ""
+        problems.append(f"{PINS}={_shown(value)}: {left_out[0]}{more}: left out; its {len(found)} other pins apply.")
+    return path, found
+
+
 #: More names than there are patches is a malformed value, not a list to check name by name.
 MAX_DISABLED = 64
 
@@ -304,18 +350,20 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     metrics_file = _parse_metrics_file(environ.get(METRICS_FILE), problems)
     disabled = _parse_disable(environ.get(DISABLE), problems)
     emulate_properties = _parse_switch(EMULATE_PROPERTIES, environ.get(EMULATE_PROPERTIES), problems)
+    pins_file, pinned = _parse_pins(environ.get(PINS), problems)
     problems.extend(_unknown_variables(environ))
     return Settings(mode, max_shared, label, log_path, cache_dir, tuple(problems), metrics_file=metrics_file,
-                    disabled=disabled, emulate_properties=emulate_properties)
+                    disabled=disabled, emulate_properties=emulate_properties, pins=pinned, pins_file=pins_file)
 
 
 def with_absolute_paths(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with the settings that name a path (a relative one is relative to each process's working
     directory) made absolute against this process's, ``~`` expanded: ``smemguard run`` passes them on so, and a
-    child started in another directory writes the same log, cache and metrics. A value that names no path (off,
-    empty, an unknown ``~user``, a control character) is passed on as it is: each process reports it."""
+    child started in another directory writes the same log, cache and metrics, and reads the same pins. A value
+    that names no path (off, empty, an unknown ``~user``, a control character) is passed on as it is: each process
+    reports it."""
     made = {}
-    for var in (LOG, CACHE_DIR, METRICS_FILE):
+    for var in (LOG, CACHE_DIR, METRICS_FILE, PINS):
         value = environ.get(var, "").strip()
         expanded = os.path.expanduser(value)
         if value and value.isprintable() and not expanded.startswith("~") and not (var == CACHE_DIR and

@@ -100,6 +100,20 @@ def one_of(*choices: str) -> Expect:
     return Expect("one of " + ", ".join(choices), lambda value: isinstance(value, str) and value in choices)
 
 
+#: Bounds of the launch options a stored value (a decision, a pin) may hold: no GPU pipelines more stages, none runs
+#: more than 1024 threads (32 warps of 32) per block.
+MAX_STAGES = 32
+MAX_WARPS = 32
+
+
+def power_of_two(value: Any, most: int) -> bool:
+    return _integer(value, 1) and value <= most and value & (value - 1) == 0
+
+
+STAGES = Expect(f"an integer from 1 to {MAX_STAGES}", lambda value: _integer(value, 1) and value <= MAX_STAGES)
+WARPS = Expect(f"a power of two from 1 to {MAX_WARPS}", lambda value: power_of_two(value, MAX_WARPS))
+
+
 def problems(record: Mapping, required: Mapping[str, Expect], optional: Mapping[str, Expect] | None = None,
              prefix: str = "") -> list[str]:
     """One line per missing required field and per field of the wrong type (optional ones only when present)."""

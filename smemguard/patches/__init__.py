@@ -91,6 +91,10 @@ class Port(Protocol):
     def on_warmup(self, kernel, grid, args: tuple, kwargs: dict, compiled) -> Any:
         """The compiled kernel that will run for a warm-up (a replacement when ``compiled`` does not fit)."""
 
+    def pinned_compile(self, compile_fn, args: tuple, kwargs: dict) -> Any:
+        """What ``compile_fn(*args, **kwargs)`` compiles with the options an operator pinned for the kernel on this
+        GPU, or None: compile as asked."""
+
     def on_compiled(self, compile_fn, args: tuple, kwargs: dict, kernel) -> Any:
         """``kernel`` as Triton's compile returned it, or a fewer-stage compile of it that fits the device."""
 

@@ -14,8 +14,10 @@ The bindings: ``triton.compiler.compiler.compile`` (the definition), ``triton.co
 first launched before ``install()`` keeps Triton's own compile, and the launch guard covers it. The layer
 reads the engine at every call, so a kernel that kept it after ``uninstall()`` compiles as Triton does.
 
-A compile the caller gets back is never an error smemguard made: the core's own failures hand on the
-kernel as compiled. Not applied in observe mode (it changes what runs).
+Pins (``SMEMGUARD_PINS``, ``smemguard pin``) apply here too, before Triton compiles (:mod:`smemguard.engine.pins`).
+
+A compile the caller gets back is never an error smemguard made: the core's own failures hand on the kernel as
+compiled. Not applied in observe mode (it changes what runs).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _compile_fitting(wrapped, instance, args, kwargs):
-    kernel = wrapped(*args, **kwargs)
     engine = PATCH.engine
-    return kernel if engine is None or engine.compiling else engine.on_compiled(wrapped, args, kwargs, kernel)
+    if engine is None or engine.compiling:
+        return wrapped(*args, **kwargs)
+    pinned = engine.pinned_compile(wrapped, args, kwargs)  # an operator's pin, applied before Triton compiles
+    if pinned is not None:
+        return pinned
+    return engine.on_compiled(wrapped, args, kwargs, wrapped(*args, **kwargs))
 
 
 PATCH = Patch(__name__, target="triton.compiler.compiler.compile", modules=("triton",), supported=TRITON,

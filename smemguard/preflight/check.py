@@ -235,6 +235,7 @@ class Report:
     seconds: float
     exact: bool
     unchecked: dict[str, str] = field(default_factory=dict)  # GPU name -> why it could not be compiled for
+    pinned: list = field(default_factory=list)  # what each pin does on each GPU (.pins.PinOnGpu)
 
     def verdict(self, kernel: int, variant: int, spec: str, gpu: str) -> Verdict:
         return self.verdicts[(kernel, variant, spec, gpu)]
@@ -336,7 +337,7 @@ class Report:
                 "cache_hits": self.cache_hits, "verdicts": self.counts(),
                 "gpus": [{"name": gpu.name, "arch": gpu.arch, "limit": gpu.max_shared,
                           "checked": self.checked(gpu)} for gpu in self.gpus],
-                "kernels": kernels, "summary": summary}
+                "kernels": kernels, "summary": summary, "pins": [outcome.to_json() for outcome in self.pinned]}
 
 
 def check(kernels: list[CheckedKernel], gpu_list: Sequence[gpus.Gpu], *, exact: bool = False, jobs: int | None = None,

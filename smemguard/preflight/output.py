@@ -90,6 +90,9 @@ def format_summary(report: Report) -> str:
             if failed:
                 lines.append(f"  NOT CHECKED: {kernel.name} when launched {' / '.join(failed)}: every config "
                              "failed to compile for another reason (errors below)")
+    if report.pinned:
+        lines.append("")
+        lines.extend(outcome.line() for outcome in report.pinned)
     errors: dict[str, list[str]] = {}
     for (k, v, spec, gpu), verdict in report.verdicts.items():
         if verdict.verdict == ERROR:

@@ -27,6 +27,10 @@ TILES_REDUCED = "tiles_reduced"
 #: failed and chooses another, so nothing the caller asked for failed (recorded once per kernel and shape class).
 AUTOTUNE_SKIPPED = "autotune_skipped"
 
+#: An operator's pin (:mod:`smemguard.facts.pins`) chose the options a kernel compiled with: a decision taken before
+#: deployment, recorded once per kernel, GPU and pin, never a failure.
+PINNED = "pinned"
+
 #: The resource every overflow smemguard handles is named with (Triton's ``OutOfResources.name``).
 SHARED = "shared memory"
 

@@ -49,27 +49,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..facts import files, process, untrusted
-from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, shown
-from . import incidents, tile_entries
-from .decision import BLOCKS_REDUCED, CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, TILES_REDUCED, WARPS_REDUCED
+from ..facts import files, pins, process, untrusted
+from ..facts.untrusted import MAX_STAGES as MAX_STAGES, MAX_WARPS as MAX_WARPS, power_of_two as power_of_two, shown
+from . import incidents
+from .entry_rules import entry_problems
 
 log = logging.getLogger(__name__)
 
 SCHEMA = 1
 FILE_NAME = "decisions.json"
 LOCK_NAME = "decisions.lock"
-KINDS = ("compile", "launch", "inductor", "tiles")
+KINDS = ("compile", "launch", "inductor", "tiles", "pins")
+#: The tables of decisions smemguard took; ``pins`` holds an operator's (:mod:`smemguard.facts.pins`), which stay
+#: when the decisions are cleared.
+DECIDED = KINDS[:-1]
 #: Tables added after schema 1 was first written: absent from older files, read as empty.
-_ADDED_KINDS = ("inductor", "tiles")
+_ADDED_KINDS = ("inductor", "tiles", "pins")
 #: A decision file is a few KiB per kernel; one larger than this is not one smemguard wrote.
 MAX_FILE = 8 * 2**20
-#: Bounds of the options an entry may hold: no GPU pipelines more stages, none runs more than
-#: 1024 threads (32 warps of 32) per block.
-MAX_STAGES = 32
-MAX_WARPS = 32
-#: Bytes of shared memory (or threads) a stored variant may say it needed: far above any GPU's, below absurd.
-MAX_BYTES = 2**32
 
 
 class FileTooLarge(ValueError):
@@ -109,72 +106,13 @@ def validate(data: Any) -> dict:
     return data
 
 
-#: The actions recovery stores in each table (recovery.py's names): option-only changes of one
-#: compiled variant; another config, the fallback, or "nothing fits" for a launch.
-ACTIONS = {"compile": (STAGES_REDUCED, WARPS_REDUCED),
-           "launch": (CONFIG_CHANGED, FALLBACK, RERAISED),
-           "inductor": (STAGES_REDUCED, WARPS_REDUCED, BLOCKS_REDUCED),
-           "tiles": (TILES_REDUCED,)}
-
-
-def power_of_two(value: Any, most: int) -> bool:
-    return integer(1).test(value) and value <= most and value & (value - 1) == 0
-
-
-_STAGES = Expect(f"an integer from 1 to {MAX_STAGES}", lambda value: integer(1).test(value) and value <= MAX_STAGES)
-_WARPS = Expect(f"a power of two from 1 to {MAX_WARPS}", lambda value: power_of_two(value, MAX_WARPS))
-_OPTIONS = Expect(f"an object of num_stages ({_STAGES.what}) and num_warps ({_WARPS.what})", lambda value: (
-    isinstance(value, dict) and len(value) > 0
-    and all((name == "num_stages" and _STAGES.test(v)) or (name == "num_warps" and _WARPS.test(v))
-            for name, v in value.items())))
-_CONFIG = {"kwargs": OBJECT, "num_warps": _WARPS,
-           "num_stages": Expect(f"an integer from 0 to {MAX_STAGES}", lambda value: integer(0).test(value)
-                                and value <= MAX_STAGES),
-           "num_ctas": Expect("an integer from 1 to 16", lambda value: integer(1).test(value) and value <= 16),
-           "maxnreg": Expect("an integer from 1 to 255", lambda value: integer(1).test(value)
-                             and value <= 255).or_null()}
-#: Per action, what recovery reads from the entry to apply it.
-_NEEDS = {STAGES_REDUCED: {"options": _OPTIONS}, WARPS_REDUCED: {"options": _OPTIONS},
-          CONFIG_CHANGED: {"config": OBJECT}, FALLBACK: {"fallback": NAME},
-          RERAISED: {"reason": TEXT}}
-
-
-#: What the failing variant needed (absent from entries written before December 2026: such a variant is compiled
-#: and fails before the entry applies).
-_REQUIRED = Expect(f"an integer from 0 to {MAX_BYTES}", lambda value: integer(0).test(value) and value <= MAX_BYTES)
-_OVERFLOW = {"resource": TEXT, "required": _REQUIRED}
-
-#: What a torch.compile entry holds: the variant's config, what did not fit, and the bytes it needed.
-_INDUCTOR_NEEDS = {"config": OBJECT, "resource": TEXT, "required": _REQUIRED}
-
-
-#: What a wrapper's tile entry holds: its own fields (:mod:`.tile_entries`), and what did not fit.
-_TILES_NEEDS = {**tile_entries.FIELDS, "resource": TEXT, "required": _REQUIRED}
-
-
-def entry_problems(kind: str, entry: Any) -> list[str]:
-    """Why recovery could not apply ``entry`` of table ``kind`` (empty when it can)."""
-    if not isinstance(entry, dict):
-        return [f"the entry is {shown(entry, 40)}, expected an object"]
-    found = untrusted.problems(entry, {"action": one_of(*ACTIONS[kind])})
-    if found:
-        return found
-    needs = {"inductor": _INDUCTOR_NEEDS, "tiles": _TILES_NEEDS}.get(kind) or _NEEDS[entry["action"]]
-    found = untrusted.problems(entry, needs, _OVERFLOW)
-    if not found and "config" in needs:
-        found = untrusted.problems(entry["config"], _CONFIG, prefix="config.")
-    if not found and kind == "tiles":
-        found = tile_entries.problems(entry)
-    return found
-
-
 def usable(data: dict) -> tuple[dict, list[str]]:
     """(a copy of decision file ``data`` with only the entries recovery can apply, one line per entry left out)."""
     kept = {**data, **{kind: {} for kind in KINDS}}
     dropped = []
     for kind in KINDS:
         for key, entry in data[kind].items():
-            found = entry_problems(kind, entry)
+            found = entry_problems(kind, entry) or (pins.key_problems(key, entry) if kind == "pins" else [])
             if found:
                 dropped.append(f"{kind} entry {shown(key, 40)}: {'; '.join(found)}")
             else:
@@ -378,14 +316,38 @@ class Store:
         return added, present
 
     def clear(self) -> int:
+        """Forget every decision (the pins stay: ``smemguard pin remove`` takes them); returns how many."""
         with self._lock:
             self._checked()
             with self._exclusive():
                 self._refresh()
-                count = sum(len(self._data[kind]) for kind in KINDS)
-                self._data = empty()
+                count = sum(len(self._data[kind]) for kind in DECIDED)
+                self._data = {**empty(), "pins": self._data["pins"]}
                 self._write()
         return count
+
+    def entries(self, kind: str) -> dict:
+        """Table ``kind`` as it stands (read again when the file changed)."""
+        with self._lock:
+            return dict(self._fresh()[kind])
+
+    def edit(self, kind: str, key: str, entry: dict | None) -> dict | None:
+        """Store ``entry`` under ``key`` of table ``kind`` in place of what stands there, or remove that with None
+        (``smemguard pin``); returns the entry replaced or removed. OSError or :class:`FileTooLarge` when the file
+        cannot be written: nothing changed."""
+        with self._lock:
+            self._checked()
+            with self._exclusive():
+                self._refresh()
+                table = dict(self._data[kind])
+                before = table.pop(key, None)
+                if entry is not None:
+                    table[key] = entry
+                if before is not None or entry is not None:
+                    edited = {**self._data, kind: table}
+                    self._write(serialized(edited))
+                    self._data = edited
+        return before
 
 
 _stores: dict[Path, Store] = {}

@@ -90,9 +90,11 @@ class Incident:
         return {**record, **{name: value for name, value in self.extras.items() if name not in record}}
 
 
-def report(incident: Incident, path: Path | None, case: tuple, message: str, *args) -> str | None:
-    """Write ``incident``'s record and log ``message % args`` once per ``case``; returns where the record went."""
-    return emit(incident.record(), path, case, message, *args)
+def report(incident: Incident, path: Path | None, case: tuple, message: str, *args,
+           level: int = logging.WARNING) -> str | None:
+    """Write ``incident``'s record and log ``message % args`` once per ``case`` (at ``level``); returns where the
+    record went."""
+    return emit(incident.record(), path, case, message, *args, level=level)
 
 
 def _json_default(value):
@@ -133,12 +135,13 @@ def rank() -> int | None:
         return None
 
 
-def emit(record: dict, path: Path | None, case: tuple, message: str, *args) -> str | None:
-    """Write ``record`` and log ``message % args`` once per ``case`` (then at DEBUG), followed by
+def emit(record: dict, path: Path | None, case: tuple, message: str, *args, level: int = logging.WARNING
+         ) -> str | None:
+    """Write ``record`` and log ``message % args`` once per ``case`` at ``level`` (then at DEBUG), followed by
     where the record went; returns that location."""
     where = write(record, path)
     metrics.count(record)
-    process.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "")
+    process.warn_once(log, case, message + "%s", *args, f"; record {where}" if where else "", level=level)
     log.debug("smemguard incident: %s", record)
     return where
 

@@ -18,9 +18,9 @@ WHILE_UNVERIFIED = "every record, while some patch runs above the newest release
 TRITON = "every record of a Triton kernel"
 LAUNCH = "the launch guard"
 DESCRIBED_LAUNCH = "the launch behind it (kernels.recorded.launch_fields): the launch guard's and a warm-up's, the " \
-    "compile-time core's where a launch caused the compile, a wrapper's that chose its tiles again"
-DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields): the compile-time core's and " \
-    "Inductor's load recovery's"
+    "compile-time core's and a pin's where a launch caused the compile, a wrapper's that chose its tiles again"
+DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields): the compile-time core's, a pin's " \
+    "and Inductor's load recovery's"
 COMPILE = "the compile-time core"
 INDUCTOR = "Inductor's load recovery"
 FLEX = "FlexAttention's configs"

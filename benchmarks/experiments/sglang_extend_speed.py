@@ -4,7 +4,7 @@ sm_120 tiles at the same shapes, on one GPU (issue 47, deliverable 6: within 5%)
 SGLang 0.5.5 gives sm_120 Hopper's tiles (its table predates PR #14311): at Kimi K2's and DeepSeek's absorbed MLA
 (Lq 576, Lv 512) they need 106496 B, over the RTX 5090's 101376 B (ktransformers #1570), and smemguard's SGLang pack
 halves them for that shape class. SGLang 0.5.23 has sm_120 tiles of its own. Each release's kernel module is
-imported from its unpacked wheel (``benchmarks/prepare_sglang_releases.sh`` builds ``.field/sglang-0.5.5`` and
+imported from its unpacked wheel (``benchmarks/experiments/prepare_sglang_releases.sh`` builds ``.field/sglang-0.5.5`` and
 ``.field/sglang-0.5.23`` here from PyPI; the GPU machine has neither SGLang nor a network), one release after the
 other in this process, with the compute capability the module reads set to (12, 0) as on an RTX 5090 and smemguard
 installed under the same emulated limit (``SMEMGUARD_MAX_SHARED=RTX5090``, 101376 B) for both: 0.5.23's own tiles
@@ -14,9 +14,9 @@ pull in SGLang's serving stack, so they are not imported, and the device predica
 ``extend_attention_fwd`` as SGLang's Triton backend does (causal, no custom mask, the prefix in the KV cache at
 scattered slots, bf16), once to let smemguard decide, then times it with ``triton.testing.do_bench`` (median).
 
-    python benchmarks/sglang_extend_speed.py --json $OUT/sglang_extend_speed.json
-    python benchmarks/sglang_extend_speed.py --dry-run   # no GPU: the CPU harness compiles for sm_120, runs nothing
-    python benchmarks/sglang_extend_speed.py --files .field/sglang-0.5.5   # the release files the import reads
+    python benchmarks/experiments/sglang_extend_speed.py --json $OUT/sglang_extend_speed.json
+    python benchmarks/experiments/sglang_extend_speed.py --dry-run   # no GPU: the CPU harness compiles for sm_120, runs nothing
+    python benchmarks/experiments/sglang_extend_speed.py --files .field/sglang-0.5.5   # the release files the import reads
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from smemguard.patches import sglang_extend_attention  # noqa: E402
@@ -88,7 +88,7 @@ def load(root: Path):
         if (root / Path(*home.split("."))).with_suffix(".py").exists():
             return importlib.import_module(home)
     raise SystemExit(f"{root}: no SGLang extend attention at {' or '.join(sglang_extend_attention.HOMES)}; "
-                     "run benchmarks/prepare_sglang_releases.sh")
+                     "run benchmarks/experiments/prepare_sglang_releases.sh")
 
 
 def inputs(shape: Shape, device: str) -> dict:
