@@ -267,7 +267,7 @@ def test_check_does_not_trust_results_cached_where_others_can_write(tmp_path):
     assert done.returncode == 1 and "163840 OVER" in done.stdout, done.stdout
     [line] = done.stderr.splitlines()
     assert line == (f"smemguard check: not using cached results: {cache} can be written by others (mode 777); fix: "
-                    f"chmod go-w {cache}; every config is compiled")
+                    f"chmod go-w {cache}; every config is compiled, and only SMEMGUARD_PINS's pins are shown")
     assert all(json.loads(result.read_text())["shared"] == 1 for result in results), "nothing written there"
     os.chmod(cache, 0o700)
     os.chmod(results[0], 0o666)

@@ -1,22 +1,23 @@
-"""SGLang 0.5.5's extend attention recovered by smemguard under an emulated RTX 5090, against SGLang 0.5.23's own
-sm_120 tiles at the same shapes, on one GPU (issue 47, deliverable 6: within 5%).
+"""SGLang 0.5.5's extend attention recovered by smemguard under an emulated RTX 5090, against SGLang 0.5.23's own sm_120
+tiles at the same shapes, on one GPU (issue 47, deliverable 6: within 5%).
 
-SGLang 0.5.5 gives sm_120 Hopper's tiles (its table predates PR #14311): at Kimi K2's and DeepSeek's absorbed MLA
-(Lq 576, Lv 512) they need 106496 B, over the RTX 5090's 101376 B (ktransformers #1570), and smemguard's SGLang pack
-halves them for that shape class. SGLang 0.5.23 has sm_120 tiles of its own. Each release's kernel module is
-imported from its unpacked wheel (``benchmarks/experiments/prepare_sglang_releases.sh`` builds ``.field/sglang-0.5.5`` and
-``.field/sglang-0.5.23`` here from PyPI; the GPU machine has neither SGLang nor a network), one release after the
-other in this process, with the compute capability the module reads set to (12, 0) as on an RTX 5090 and smemguard
-installed under the same emulated limit (``SMEMGUARD_MAX_SHARED=RTX5090``, 101376 B) for both: 0.5.23's own tiles
-fit it and run unchanged. The package is entered at its kernels: ``sglang/__init__.py`` and ``sglang.srt.utils``
-pull in SGLang's serving stack, so they are not imported, and the device predicates the kernel modules take from
-``sglang.srt.utils`` are answered here as SGLang computes them on CUDA. Each shape calls the wrapper
-``extend_attention_fwd`` as SGLang's Triton backend does (causal, no custom mask, the prefix in the KV cache at
-scattered slots, bf16), once to let smemguard decide, then times it with ``triton.testing.do_bench`` (median).
+SGLang 0.5.5 gives sm_120 Hopper's tiles (its table predates PR #14311): at Kimi K2's and DeepSeek's absorbed MLA (Lq
+576, Lv 512) they need 106496 B, over the RTX 5090's 101376 B (ktransformers #1570), and smemguard's SGLang pack
+halves them for that shape class. SGLang 0.5.23 has sm_120 tiles of its own. Each release's kernel module is imported
+from its unpacked wheel (``benchmarks/experiments/prepare_sglang_releases.sh`` builds ``.field/sglang-0.5.5`` and
+``.field/sglang-0.5.23`` here from PyPI; the kernel modules of 0.5.23 need msgspec; the GPU machine has neither SGLang
+nor a network), one release after the other in this process, with the compute capability the module reads set to (12,
+0) as on an RTX 5090 and smemguard installed under the same emulated limit (``SMEMGUARD_MAX_SHARED=RTX5090``, 101376
+B) for both: 0.5.23's own tiles fit it and run unchanged. The package is entered at its kernels:
+``sglang/__init__.py`` and ``sglang.srt.utils`` pull in SGLang's serving stack, so they are not imported, and the
+device predicates the kernel modules take from ``sglang.srt.utils`` are answered here as SGLang computes them on CUDA.
+Each shape calls the wrapper ``extend_attention_fwd`` as SGLang's Triton backend does (causal, no custom mask, the
+prefix in the KV cache at scattered slots, bf16), once to let smemguard decide, then times it with
+``triton.testing.do_bench`` (median).
 
     python benchmarks/experiments/sglang_extend_speed.py --json $OUT/sglang_extend_speed.json
-    python benchmarks/experiments/sglang_extend_speed.py --dry-run   # no GPU: the CPU harness compiles for sm_120, runs nothing
-    python benchmarks/experiments/sglang_extend_speed.py --files .field/sglang-0.5.5   # the release files the import reads
+    python benchmarks/experiments/sglang_extend_speed.py --dry-run   # no GPU: compiles for sm_120, runs nothing
+    python benchmarks/experiments/sglang_extend_speed.py --files .field/sglang-0.5.5   # the files the import reads
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..facts import gpus, untrusted
+from . import check_decisions
 
 if TYPE_CHECKING:
     from ..preflight import Progress, Report
@@ -398,7 +399,7 @@ def _checked(args) -> Report | None:
     from ..preflight.pins import check_pins
     from .pin import pins_in_force
 
-    refusal = args.decisions and _unwritable(args.decisions)
+    refusal = args.decisions and check_decisions.unwritable(args.decisions)
     if refusal:
         print(f"smemguard check: --decisions {refusal}; nothing checked", file=sys.stderr)
         return None
@@ -409,7 +410,7 @@ def _checked(args) -> Report | None:
         kernels = discover(args.targets, examples=args.examples, overrides=overrides, import_timeout=args.timeout)
         _refuse_unknown_meta(kernels, overrides.get("configs", []), gpu_list)
         if args.decisions:
-            _refuse_an_input(args.decisions, files_read(kernels))
+            check_decisions.refuse_an_input(args.decisions, files_read(kernels))
         if not args.quiet:
             variants = sum(len(kernel.variants) for kernel in kernels)
             print(f"smemguard check: {untrusted.counted(len(kernels), 'kernel')}, "
@@ -417,17 +418,19 @@ def _checked(args) -> Report | None:
                   f"{', '.join(f'{gpu.name} ({gpu.arch})' for gpu in gpu_list)}; compiling with {jobs} processes",
                   file=sys.stderr, flush=True)
         cache = ResultCache(None) if args.no_cache else preflight.default_cache()
-        if cache.refused:
+        if cache.refused:  # the decision file beside the results is as untrusted: its pins are not read either
             print(f"smemguard check: not using cached results: {untrusted.printable(cache.refused)}; every config is "
-                  "compiled", file=sys.stderr, flush=True)
+                  "compiled, and only SMEMGUARD_PINS's pins are shown", file=sys.stderr, flush=True)
         report = check(kernels, gpu_list, exact=args.exact, jobs=jobs, cache=cache,
                        progress=None if args.quiet else _progress_printer(), import_timeout=args.timeout)
-        report.pinned = check_pins(report, pins_in_force(args.settings, "smemguard check"), exact=args.exact,
-                                   jobs=jobs, cache=cache, import_timeout=args.timeout)
+        in_force = pins_in_force(args.settings, "smemguard check", from_cache=not cache.refused)
+        report.pinned = check_pins(report, in_force, exact=args.exact, jobs=jobs, cache=cache,
+                                   import_timeout=args.timeout)
     except TargetError as error:
         print(f"smemguard check: {error}", file=sys.stderr)
         return None
-    if args.decisions and not _write_decisions(report, args.decisions, cache, quiet=args.quiet):
+    progress = None if args.quiet else _show_decided
+    if args.decisions and not check_decisions.write(report, args.decisions, cache, progress):
         return None
     return report
 
@@ -452,76 +455,3 @@ def _stdout_to_stderr():
         if kept is not None:
             os.dup2(kept, 1)
             os.close(kept)
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why ``--decisions`` cannot be written (said before anything is checked), or None."""
-    shown = untrusted.printable(str(path))
-    if path.is_dir():
-        return f"{shown} is a directory; name a file in it"
-    if os.path.lexists(path) and not path.is_file():
-        return f"{shown} is not a regular file (a FIFO, a device or a dangling link)"
-    folder = path.parent
-    if not folder.is_dir():
-        return f"{shown}: the directory {untrusted.printable(str(folder))} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return f"{shown} cannot be written (permission denied)"
-    return None
-
-
-def _refuse_an_input(path: Path, read: set[str]) -> None:
-    """TargetError when ``--decisions`` names a file the check has read: writing would replace a kernel's source."""
-    from ..preflight import TargetError
-
-    try:
-        written = os.stat(path)
-    except OSError:  # not there yet: no input
-        return
-    for source in read:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(written, os.stat(source)):
-                raise TargetError(f"--decisions {untrusted.printable(str(path))} is {untrusted.printable(source)}, a "
-                                  "file this check read (a kernel's source, a module it imported): name another "
-                                  "file; nothing checked")
-
-
-def _live_store(path: Path):
-    """The decision store of ``SMEMGUARD_CACHE_DIR`` when ``path`` is its file (the live decisions), else None."""
-    from ..facts import settings
-    from ..store import decision_cache
-
-    current = settings.current()
-    if current.cache_dir is None or current.ignored(settings.CACHE_DIR):
-        return None
-    store = decision_cache.Store(current.cache_dir)
-    return store if os.path.realpath(path) == os.path.realpath(store.path) else None
-
-
-def _write_decisions(report, path: Path, cache, quiet: bool) -> bool:
-    """Take and write the decisions for ``report``'s overflows (one line on stderr says what); False when
-    the file could not be written. The host's own decision file is not replaced but merged into under its lock,
-    as 'cache import' does: no decision already there is lost, and it stays its owner's only."""
-    from ..facts import files
-    from ..preflight.decide import decide
-
-    found = decide(report, cache.directory / "triton" if cache.directory is not None else None,
-                   progress=None if quiet else _show_decided)
-    shown, live = untrusted.printable(str(path)), _live_store(path)
-    try:
-        if live is not None:
-            added, present = live.merge(found.data)
-        else:
-            files.replace(path, json.dumps(found.data, indent=1, sort_keys=True), mode=0o644)
-    except (OSError, ValueError) as error:  # ValueError: the merged file would be too large
-        print(f"smemguard check: cannot write --decisions {shown} ({getattr(error, 'strerror', None) or error}); "
-              "nothing written", file=sys.stderr)
-        return False
-    for note in found.notes:
-        print(f"smemguard check: no decision for {note}", file=sys.stderr)
-    done = (f"added {untrusted.counted(added, 'decision')} to this host's decision cache {shown} ({present} already "
-            "there, kept as they were)" if live is not None else
-            f"wrote {untrusted.counted(found.entries, 'decision')} to {shown}")
-    print(f"smemguard check: {done} for {untrusted.counted(found.decided, 'overflowing config')} "
-          f"({len(found.notes)} without one)"
-          + ("" if live is not None else f"; import them with 'smemguard cache import {shown}'"), file=sys.stderr)
-    return True

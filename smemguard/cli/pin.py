@@ -155,9 +155,10 @@ def stored_pins(directory: Path, command: str) -> tuple[list[pins.Pin], bool]:
     return [pins.of(entry, f"{pins.CACHE_ORIGIN}, {path}") for entry in data["pins"].values()], not left_out
 
 
-def pins_in_force(settings, command: str) -> tuple[pins.Pin, ...]:
-    """The pins a process with ``settings`` applies (what ``smemguard check`` shows)."""
-    stored = stored_pins(settings.cache_dir, command)[0] if settings.cache_dir is not None else []
+def pins_in_force(settings, command: str, from_cache: bool = True) -> tuple[pins.Pin, ...]:
+    """The pins a process with ``settings`` applies (what ``smemguard check`` shows); ``from_cache`` False: the
+    ``SMEMGUARD_PINS`` file's only (the caller said already why the cache is not read)."""
+    stored = stored_pins(settings.cache_dir, command)[0] if settings.cache_dir is not None and from_cache else []
     return pins.in_force(settings.pins, stored)
 
 

@@ -42,7 +42,8 @@ processes import it without this package.
 
 from ..kernels.estimate import Estimate, estimate
 from .cache import ResultCache, default_cache
-from .check import Progress, Report, Verdict, check
+from .check import Progress, check
+from .report import Report, Verdict
 from .compiling import build_request, cache_key
 from .discovery import discover
 from .model import (

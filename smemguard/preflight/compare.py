@@ -16,7 +16,7 @@ from typing import Any
 
 from ..facts import files, untrusted
 from ..facts.untrusted import NAME, OBJECT, TEXT, Expect, integer, one_of, printable
-from .check import SCHEMA
+from .report import SCHEMA
 from .model import ERROR, ESTIMATED, FITS, OVERFLOWS
 
 #: A report of thousands of configs on a dozen GPUs is a few MiB; larger files are refused unread.

@@ -33,7 +33,7 @@ from ..kernels import introspect, tuners, variants
 from ..kernels.launch import overflow, resolve
 from ..store import decision_cache
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OPTION_ONLY
-from .check import Report
+from .report import Report
 from .compiling import HEURISTIC_SIZE, build_request, torch_dtype
 from .model import INT_TYPES, OVERFLOWS, CheckedKernel, Specialization, Variant
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..facts import gpus
 from ..kernels.estimate import ESTIMATE_MARGIN
-from .check import Report, Verdict
+from .report import Report, Verdict
 from .model import BY_LAYOUT, BY_ORDER, CACHED, ERROR, ESTIMATED, FITS, MEASURED, NON_UNIT, NOT_CHECKED, OVERFLOWS
 
 #: Distinct error messages the text report lists (``--json`` has every one).

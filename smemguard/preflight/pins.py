@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 from ..facts import gpus, pins
 from ..kernels.parameters import OptionIsAParameter, knobs_of
-from .check import Report, check
+from .check import check
+from .report import Report
 from .model import FITS, CheckedKernel, Variant
 
 APPLIES, REFUSED, UNCHANGED = "applies", "refused", "unchanged"
