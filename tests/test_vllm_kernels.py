@@ -149,6 +149,28 @@ def test_unified_attention_head_512_on_a_t4_gets_a_smaller_tile(unified_attentio
     assert backend.unified_attention is unified_attention.unified_attention is vllms_own
 
 
+def test_a_learnt_tile_survives_a_restart_as_a_declared_wrappers_does(unified_attention, tiles_run, install_guard,
+                                                                     incident_log, tmp_path, triton_cache, capsys):
+    """The tile learnt for a shape class goes to the decision cache (table ``tiles``, the form declared wrappers'
+    tiles take): a new install (a restarted worker's view: what an install learnt in memory is forgotten at
+    uninstall) chooses it at once: no failed launch, no record."""
+    from smemguard.cli import commands
+
+    decisions = tmp_path / "decisions"
+    for restart in (False, True):
+        install_guard(cache_dir=decisions)
+        assert vllm_unified_attention.PATCH.caps_choice() is restart, "the choice is layered at install once stored"
+        with fake_gpu("T4", cache_dir=triton_cache) as gpu:
+            tiles_run["attention"].clear()
+            attend(unified_attention, 512, torch.float16)
+        smemguard.uninstall()
+        assert [(launch.kernel, launch.shared) for launch in gpu.launches] == [("kernel_unified_attention", 65536)]
+    assert tiles_run["attention"] == [16], "after the restart the first call chose 16 at once"
+    assert [record["action"] for record in records(incident_log)] == ["reraised", "tiles_reduced"]
+    assert commands.main(["cache", "show", "--dir", str(decisions)]) == 0
+    assert "TILE_SIZE=32 -> tiles_reduced TILE_SIZE=16" in capsys.readouterr().out
+
+
 def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(unified_attention, tiles_run,
                                                                              install_guard, triton_cache):
     # Gemma 3's sliding-window layers (head 256, window 1024: TILE_SIZE 32 for decode too), in fp32 as vLLM runs

@@ -193,6 +193,7 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
             if launch is not None:
                 with steps.required("compile the failing launch"):
                     failing = launch.compile()
+                process.note_failing_kernel(error, failing)
             run = _recover(launched, launch, failing, error, settings, decided, steps, started)
     except StepFailed:
         run = None

@@ -51,17 +51,10 @@ class Outcome:
 
     def _remember(self, final: tuple) -> None:
         """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
-        store = None
-        with self.steps.skippable("open the decision cache"):
-            store = decision_cache.store(self.settings.cache_dir)
-        if store is None:
-            return
-        case, device = _case(self.declaration, self.name, self.shape), process.current_device()
-        with self.steps.skippable("store the tiles"):
-            store.put(TABLE, decision_cache.case_id(case), decision_cache.new_entry(
-                case, action=TILES_REDUCED, final=self.declaration.label(final), from_config=self.failed[0].config,
-                gpu=variants.gpu_label(device), resource=SHARED, required=self.error.required,
-                value=_as_stored(final)))
+        remember_tiles(self.settings, tile_case(self.name, self.declaration.jits, self.declaration.name,
+                                                self.declaration.tiles, self.shape),
+                       final=self.declaration.label(final), from_config=self.failed[0].config,
+                       required=self.error.required, tiles=final, steps=self.steps)
 
     @property
     def kernel(self) -> str:
@@ -159,30 +152,52 @@ def tiles_stored(settings) -> bool:
 
 
 def stored_tiles(declaration, wrapper: str, shape: tuple, answered: tuple, settings) -> tuple | None:
-    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device, or None; stored tiles that
-    recovery could not have produced from the tiles the wrapper ``answered`` are ignored, with one warning."""
+    """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device (:func:`recall_tiles`)."""
+    return recall_tiles(settings, tile_case(wrapper, declaration.jits, declaration.name, declaration.tiles, shape),
+                        answered, declaration.smallest)
+
+
+def tile_case(wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], shape: tuple) -> dict:
+    """What identifies learnt tiles to other processes: the wrapper, the kernels' source, the choice that answers
+    the tiles, the shape class ((name, value) pairs), and this device's Triton, arch and limit. One form for every
+    wrapper whose tiles smemguard lowers (declared ones, the vLLM packs'), so one table and one check serve all."""
+    return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, jits)),
+            "source_hash": ",".join(map(introspect.source_hash, jits)), "choice": choice, "tile": ",".join(tiles),
+            "shape": [list(pair) for pair in shape], **variants.on_device(process.current_device())}
+
+
+def remember_tiles(settings, case: dict, *, final: str, from_config: str, required: int, tiles: tuple,
+                   steps: Steps) -> None:
+    """Keep ``tiles``, which fit for ``case`` (:func:`tile_case`), in the decision cache's table of learnt tiles."""
+    store = None
+    with steps.skippable("open the decision cache"):
+        store = decision_cache.store(settings.cache_dir)
+    if store is None:
+        return
+    with steps.skippable("store the tiles"):
+        store.put(TABLE, decision_cache.case_id(case), decision_cache.new_entry(
+            case, action=TILES_REDUCED, final=final, from_config=from_config,
+            gpu=variants.gpu_label(process.current_device()), resource=SHARED, required=required,
+            value=_as_stored(tiles)))
+
+
+def recall_tiles(settings, case: dict, answered: tuple, smallest: int) -> tuple | None:
+    """The tiles the decision cache holds for ``case`` (:func:`tile_case`), or None; stored tiles that recovery
+    could not have produced from the tiles the wrapper ``answered`` are ignored, with one warning. Raises when the
+    cache cannot be read."""
     store = decision_cache.store(settings.cache_dir)
     if store is None or not store.holds(TABLE):
         return None
-    key = decision_cache.case_id(_case(declaration, wrapper, shape))
+    key = decision_cache.case_id(case)
     entry = store.get(TABLE, key)
     if entry is None:
         return None
     tiles = tile_entries.stored(entry)
-    why = tile_entries.not_a_halving(answered, tiles, declaration.smallest)
+    why = tile_entries.not_a_halving(answered, tiles, smallest)
     if why is not None:
         compile_fit.ignored(key, why)
         return None
     return tiles
-
-
-def _case(declaration, wrapper: str, shape: tuple) -> dict:
-    """What identifies learnt tiles to other processes: the wrapper, the kernel's source, the declaration,
-    the shape class, and this device's Triton, arch and limit."""
-    return {"wrapper": wrapper, "kernel": ",".join(map(introspect.kernel_name, declaration.jits)),
-            "source_hash": ",".join(map(introspect.source_hash, declaration.jits)), "choice": declaration.name,
-            "tile": ",".join(declaration.tiles),
-            "shape": [list(pair) for pair in shape], **variants.on_device(process.current_device())}
 
 
 def _as_stored(tiles: tuple) -> int | list[int]:

@@ -239,7 +239,8 @@ def launch_in_progress() -> tuple | None:
     return launching.current
 
 
-_failed_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # error -> (kernel, grid, args, kwargs)
+#: error -> (kernel, grid, args, kwargs, the compiled kernel once the engine has it)
+_failed_launches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def note_failed_launch(error: BaseException, kernel, grid, args: tuple, kwargs: dict) -> None:
@@ -247,17 +248,39 @@ def note_failed_launch(error: BaseException, kernel, grid, args: tuple, kwargs: 
     lives (as its traceback keeps the launch's frame), for a patch that runs its caller's wrapper again and for the
     record of what that wrapper decided."""
     try:
-        _failed_launches[error] = (kernel, grid, args, kwargs)
+        _failed_launches[error] = (kernel, grid, args, kwargs, None)
     except TypeError:  # an error type without weak references: nothing is kept
+        pass
+
+
+def note_failing_kernel(error: BaseException, compiled) -> None:
+    """The compiled kernel of the noted launch that raised ``error``, once the engine compiled it: the record of a
+    wrapper run again describes it from this, with no compile of its own (a compile runs the kernel's pre-run
+    hooks, which the user's code sees)."""
+    try:
+        noted = _failed_launches.get(error)
+        if noted is not None:
+            _failed_launches[error] = (*noted[:4], compiled)
+    except TypeError:
         pass
 
 
 def failed_launch(error: BaseException) -> tuple | None:
     """(kernel, grid, args, kwargs) of the launch that raised ``error``, as the launch guard saw it; else None."""
     try:
-        return _failed_launches.get(error)
+        noted = _failed_launches.get(error)
     except TypeError:
         return None
+    return noted[:4] if noted is not None else None
+
+
+def failing_kernel(error: BaseException):
+    """The compiled kernel of the launch that raised ``error`` (:func:`note_failing_kernel`), or None."""
+    try:
+        noted = _failed_launches.get(error)
+    except TypeError:
+        return None
+    return noted[4] if noted is not None else None
 
 
 # -- autotuner timings ----------------------------------------------------------------------

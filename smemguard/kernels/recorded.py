@@ -123,8 +123,10 @@ def failed_launch_fields(error) -> dict:
     launch = resolve(launched, grid, args, kwargs)
     if launch is None:
         return {}
-    with process.engine_compiling.scope():  # the variant that failed, as it was compiled: never fitted again here
-        failing = launch.compile()
+    failing = process.failing_kernel(error)  # as the engine compiled it when the launch failed
+    if failing is None:
+        with process.engine_compiling.scope():  # the variant that failed, from the JIT cache: never fitted here
+            failing = launch.compile()
     return launch_fields(launch, failing)
 
 

@@ -32,6 +32,7 @@ from ..facts import process
 from ..kernels.launch import Attempt
 from ..kernels import recorded
 from ..kernels.recorded import attempt_records
+from ..engine import wrapper_outcomes
 from ..store import incidents
 from ..store.decision import TILES_REDUCED
 from . import Kernels, Layer, Patch
@@ -94,6 +95,11 @@ class TileChoice(Patch):
             self._home(home)
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
         self._wrapper_layer.add(self._guarded)
+        try:
+            if wrapper_outcomes.tiles_stored(engine.settings):  # another process learnt tiles: recall them
+                self._choice_layer.add(self._capped)
+        except Exception:  # an unreadable decision cache: this process learns its own
+            log.debug("smemguard: could not read the decision cache for %s", self.wrapper, exc_info=True)
 
     def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
@@ -131,7 +137,7 @@ class TileChoice(Patch):
             try:
                 frame = self._wrapper_frame(sys._getframe(1))
                 if frame is not None:
-                    learnt = self.memory().get(self._key(self._choice_shape(args, kwargs, frame)))
+                    learnt = self._learnt(self._choice_shape(args, kwargs, frame), tile)
                     if learnt is not None and learnt < tile:
                         return learnt
             except Exception:  # bookkeeping only: vLLM's own choice stands
@@ -154,6 +160,34 @@ class TileChoice(Patch):
         device = process.current_device()
         return (device, process.effective_limit(device), *shape)
 
+    def _learnt(self, shape: tuple, answered: int) -> int | None:
+        """The tile learnt for the shape class on this device and limit: in this install, else in the decision cache
+        (looked up once per class; a stored tile vLLM's ``answered`` one does not halve to is ignored)."""
+        key, memory = self._key(shape), self.memory()
+        if key in memory:
+            return memory[key]
+        stored = None
+        engine = self.engine
+        if engine is None:
+            return None
+        try:
+            found = wrapper_outcomes.recall_tiles(engine.settings, self._case(key), (answered,), self._smallest(shape))
+            stored = found[0] if found else None
+        except Exception:  # an unreadable decision cache: vLLM's own choice until this process learns one
+            log.debug("smemguard: could not read the decision cache for %s", self.wrapper, exc_info=True)
+        with engine.memory.lock:
+            return memory.setdefault(key, stored)
+
+    def _case(self, key: tuple) -> dict:
+        """The decision cache's case of a shape class, the same form declared wrappers' learnt tiles have."""
+        _, _, *shape = key
+        return wrapper_outcomes.tile_case(f"{self.module}:{self.wrapper}", (self._jit(),),
+                                          f"{self.module}:{self.choice}", (self.tile,),
+                                          tuple(zip(self.shape_fields, _plain(shape))))
+
+    def _jit(self):
+        return getattr(sys.modules[self.module], self.kernel)
+
     def _learn(self, key: tuple, tile: int | None) -> bool:
         """Make the choice answer ``tile`` for ``key`` (None: vLLM's own choice again); False when no install
         holds what is learnt (uninstalled while another tool's layer kept ours alive)."""
@@ -175,7 +209,7 @@ class TileChoice(Patch):
         if getattr(error, "name", None) != "shared memory":
             return None
         kernel, _, args, kwargs = process.failed_launch(error) or (None, None, (), None)
-        if kernel is not getattr(sys.modules[self.module], self.kernel) or not isinstance(kwargs, dict):
+        if kernel is not self._jit() or not isinstance(kwargs, dict):
             return None
         return tuple(args), kwargs
 
@@ -232,6 +266,10 @@ class TileChoice(Patch):
                 error = again
                 continue
             self._report(original, key, failed, step[2], started, steps)
+            with steps.skippable("describe the tile for the decision cache"):
+                wrapper_outcomes.remember_tiles(engine.settings, self._case(key), final=f"{self.tile}={step[2]}",
+                                                from_config=failed[0].config, required=original.required,
+                                                tiles=(step[2],), steps=steps)
             return result
 
     def _report(self, error, key: tuple, failed: list, final: int, started: float, steps) -> None:
@@ -240,8 +278,7 @@ class TileChoice(Patch):
             described = recorded.failed_launch_fields(error)
         try:
             device, _, *shape = key
-            shape_class = {name: value if isinstance(value, (bool, int, float, str)) else str(value)
-                           for name, value in zip(self.shape_fields, shape)}
+            shape_class = dict(zip(self.shape_fields, _plain(shape)))
             chosen = f"{self.tile}={final}"
             incident = incidents.Incident(
                 kernel=f"{self.module}:{self.kernel}", launched_as=f"{self.module}:{self.wrapper}", phase="launch",
@@ -255,3 +292,8 @@ class TileChoice(Patch):
                              " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)
         except Exception:
             log.warning("smemguard: could not write the incident record for %s", self.kernel, exc_info=True)
+
+
+def _plain(shape) -> list:
+    """A shape class's values as records and the decision cache hold them (a dtype by its name)."""
+    return [value if isinstance(value, (bool, int, float, str)) else str(value) for value in shape]
