@@ -1,5 +1,8 @@
 """SGLang 0.5.5's extend attention recovered by smemguard under an emulated RTX 5090, against SGLang 0.5.23's own sm_120
-tiles at the same shapes, on one GPU (issue 47, deliverable 6: within 5%).
+tiles at the same shapes, on one GPU: is the recovered release within 5% of the one whose tiles were written for it?
+
+Answer so far (2026-12-07, CPU harness, ``--dry-run``, Triton 3.9.0): the tiles are the same. 0.5.5's 32x64 (106496 B)
+is recovered at 32x32 (71680 B), 0.5.23's own sm_120 choice, for all six shapes; the GPU timing is not made yet.
 
 SGLang 0.5.5 gives sm_120 Hopper's tiles (its table predates PR #14311): at Kimi K2's and DeepSeek's absorbed MLA (Lq
 576, Lv 512) they need 106496 B, over the RTX 5090's 101376 B (ktransformers #1570), and smemguard's SGLang pack

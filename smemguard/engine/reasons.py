@@ -29,7 +29,7 @@ def why_nothing_fits(launch: Launch, budget: int, attempts: list) -> str:
 
 def _tiles_chosen_by_the_caller(launch: Launch, attempts: list) -> str:
     """Why a plain kernel's launch is re-raised, naming who chose its tiles, what the best candidate still needs
-    and the exact calls that would let it run here (issue 32: the class smemguard leaves to the caller)."""
+    and the exact calls that would let it run here (the class smemguard leaves to the caller)."""
     module, _, qualname = introspect.kernel_name(launch.jit).partition(":")
     named, constexprs = launch.named_args(), launch.constexpr_names()
     chosen = constexprs & set(parameters.knobs_of(launch.jit).shapes) or constexprs  # the tiles, not strides
