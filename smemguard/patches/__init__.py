@@ -98,6 +98,18 @@ class Port(Protocol):
     def on_compiled(self, compile_fn, args: tuple, kwargs: dict, kernel) -> Any:
         """``kernel`` as Triton's compile returned it, or a fewer-stage compile of it that fits the device."""
 
+    def holds_tiles(self) -> bool:
+        """Whether the decision cache holds tiles some wrapper learnt."""
+
+    def learnt_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple, shape: tuple, answered: tuple,
+                     smallest: int) -> tuple | None:
+        """The ``tiles`` another process learnt for ``wrapper``'s ``shape`` class ((name, value) pairs) on this
+        device, where they are a halving of the tiles ``choice`` ``answered``; else None."""
+
+    def keep_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple, shape: tuple, kept: tuple, *,
+                   from_config: str, required: int, steps) -> None:
+        """Keep the tiles that fit (``kept``) for ``wrapper``'s ``shape`` class, for the next process."""
+
     def on_inductor_load(self, autotuner) -> None:
         """Before Inductor's ``CachingAutotuner`` loads its compile results: replace those the decision cache
         holds a fitting variant of."""

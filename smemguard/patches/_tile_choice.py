@@ -32,7 +32,6 @@ from ..facts import process
 from ..kernels.launch import Attempt
 from ..kernels import recorded
 from ..kernels.recorded import attempt_records
-from ..engine import wrapper_outcomes
 from ..store import incidents
 from ..store.decision import TILES_REDUCED
 from . import Kernels, Layer, Patch
@@ -95,11 +94,8 @@ class TileChoice(Patch):
             self._home(home)
         self._wrapper_code = inspect.unwrap(getattr(module, self.wrapper)).__code__
         self._wrapper_layer.add(self._guarded)
-        try:
-            if wrapper_outcomes.tiles_stored(engine.settings):  # another process learnt tiles: recall them
-                self._choice_layer.add(self._capped)
-        except Exception:  # an unreadable decision cache: this process learns its own
-            log.debug("smemguard: could not read the decision cache for %s", self.wrapper, exc_info=True)
+        if engine.holds_tiles():  # another process learnt tiles: the choice answers them from the first call
+            self._choice_layer.add(self._capped)
 
     def _forget(self) -> None:
         """Remove both layers, here and in the callers, and forget the tiles learnt."""
@@ -166,24 +162,20 @@ class TileChoice(Patch):
         key, memory = self._key(shape), self.memory()
         if key in memory:
             return memory[key]
-        stored = None
         engine = self.engine
         if engine is None:
             return None
-        try:
-            found = wrapper_outcomes.recall_tiles(engine.settings, self._case(key), (answered,), self._smallest(shape))
-            stored = found[0] if found else None
-        except Exception:  # an unreadable decision cache: vLLM's own choice until this process learns one
-            log.debug("smemguard: could not read the decision cache for %s", self.wrapper, exc_info=True)
+        found = engine.learnt_tiles(*self._described(key), (answered,), self._smallest(shape))
+        stored = found[0] if found else None
         with engine.memory.lock:
             return memory.setdefault(key, stored)
 
-    def _case(self, key: tuple) -> dict:
-        """The decision cache's case of a shape class, the same form declared wrappers' learnt tiles have."""
+    def _described(self, key: tuple) -> tuple:
+        """A shape class as the decision cache's tiles table knows it: the wrapper, its kernel, the choice, the tile's
+        name and the shape class's (name, value) pairs, the form declared wrappers' learnt tiles take."""
         _, _, *shape = key
-        return wrapper_outcomes.tile_case(f"{self.module}:{self.wrapper}", (self._jit(),),
-                                          f"{self.module}:{self.choice}", (self.tile,),
-                                          tuple(zip(self.shape_fields, _plain(shape))))
+        return (f"{self.module}:{self.wrapper}", (self._jit(),), f"{self.module}:{self.choice}", (self.tile,),
+                tuple(zip(self.shape_fields, _plain(shape))))
 
     def _jit(self):
         return getattr(sys.modules[self.module], self.kernel)
@@ -266,10 +258,8 @@ class TileChoice(Patch):
                 error = again
                 continue
             self._report(original, key, failed, step[2], started, steps)
-            with steps.skippable("describe the tile for the decision cache"):
-                wrapper_outcomes.remember_tiles(engine.settings, self._case(key), final=f"{self.tile}={step[2]}",
-                                                from_config=failed[0].config, required=original.required,
-                                                tiles=(step[2],), steps=steps)
+            engine.keep_tiles(*self._described(key), (step[2],), from_config=failed[0].config,
+                              required=original.required, steps=steps)
             return result
 
     def _report(self, error, key: tuple, failed: list, final: int, started: float, steps) -> None:
