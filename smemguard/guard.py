@@ -27,12 +27,23 @@ from .store import metrics
 
 log = logging.getLogger(__name__)
 
-_lock = threading.RLock()
-_pending: Settings | None = None  # waiting for "import triton"
-_guarding_triton = False  # some Triton patch applied (the library patches apply whatever Triton's fate)
-_hook_registered = False
-_library_hooks_registered = False
-_reported_problems: set[str] = set()
+
+
+class _Installer:
+    """What installing knows across installs in this process: the import hooks registered (they cannot be taken
+    back), the settings waiting for ``import triton``, the settings problems said already. The install in force
+    is its engine (:func:`smemguard.facts.process.installed_engine`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.pending: Settings | None = None  # waiting for "import triton"
+        self.guarding_triton = False  # some Triton patch applied (the library patches apply whatever Triton's fate)
+        self.triton_hook = False  # the post-import hook on triton is registered
+        self.library_hooks = False  # the post-import hooks on the libraries' modules are registered
+        self.reported_problems: set[str] = set()
+
+
+_installer = _Installer()
 
 
 def _wanted(patch, settings: Settings) -> bool:
@@ -56,11 +67,11 @@ def _admitted(patch, settings: Settings) -> bool:
     return True
 
 
-def _note_applied(patch, *, announce: bool = True) -> None:
+def _note_applied(patch, engine: Engine, *, announce: bool = True) -> None:
     """Remember the patch as applied (for the install line, the records and ``smemguard versions``); one info
     line when it applied unverified (the Triton patches say it once, on the install line)."""
     unverified = patch.supported.unverified()
-    process.note_patch(patch.name, patch.supported.name, versions.installed(patch.supported.package),
+    engine.notes.note_patch(patch.name, patch.supported.name, versions.installed(patch.supported.package),
                        unverified is None)
     if unverified is not None and announce:
         process.warn_once(log, ("applied unverified", patch.name), "smemguard: %s applied unverified: %s; its "
@@ -81,7 +92,7 @@ def _patch_library(patch, reason: str) -> None:
         _roll_back(patch)
         return
     if patch.is_patched():
-        _note_applied(patch)
+        _note_applied(patch, engine)
 
 
 def _roll_back(patch) -> None:
@@ -93,10 +104,9 @@ def _roll_back(patch) -> None:
 
 def _watch_libraries() -> None:
     """Patch known libraries whose modules are imported, now and whenever one is imported later."""
-    global _library_hooks_registered
     from .patches import library_patches
 
-    if _library_hooks_registered:  # hooks cannot be removed; they did nothing while the guard was not installed
+    if _installer.library_hooks:  # hooks cannot be removed; they did nothing while the guard was not installed
         for patch in library_patches():
             if any(target in sys.modules for target in patch.modules):
                 _patch_library(patch, "already imported")
@@ -105,7 +115,7 @@ def _watch_libraries() -> None:
 
     def hook_for(patch):
         def on_import(imported) -> None:
-            with _lock:
+            with _installer.lock:
                 if process.installed_engine() is not None:
                     _patch_library(patch, f"on import of {imported.__name__}")
 
@@ -114,7 +124,7 @@ def _watch_libraries() -> None:
     for patch in library_patches():
         for target in patch.modules:
             wrapt.register_post_import_hook(hook_for(patch), target)
-    _library_hooks_registered = True
+    _installer.library_hooks = True
 
 
 def _fail(message: str, settings: Settings) -> bool:
@@ -128,7 +138,6 @@ def _patch(settings: Settings) -> bool:
     """Apply every Triton patch that is wanted and admitted, each on its own: one that is refused or fails
     leaves its target untouched (one line), and the others, and the library patches, still apply. True when
     some Triton patch applied; strict mode raises where a patch was refused or failed."""
-    global _guarding_triton
     from .patches import TRITON, triton_patches
 
     version = process.triton_version()
@@ -141,19 +150,18 @@ def _patch(settings: Settings) -> bool:
         for patch in reversed(triton_patches()):
             _roll_back(patch)
         engine.close()
-        process.forget_patches()
         raise SettingsError(f"smemguard {__version__}: {'; '.join(problems)}; Triton is left untouched (strict mode)")
     for problem in problems:
         log.warning("smemguard %s: %s; %s", __version__, problem, "those targets are left untouched"
-                    if process.applied_patches() else "Triton is left untouched and kernels run unguarded. "
+                    if engine.notes.applied_patches() else "Triton is left untouched and kernels run unguarded. "
                     "Fix: upgrade Triton or smemguard.")
     process.set_installed_engine(engine)
-    _guarding_triton = bool(process.applied_patches())
+    _installer.guarding_triton = bool(engine.notes.applied_patches())
     metrics.configure(settings)
     _watch_libraries()  # the hooks fire at once for modules already imported
     log.info("smemguard %s guarding Triton %s: mode=%s, %s; %s", __version__, version, settings.mode,
-             settings.describe_limit(), process.applied_text())
-    return _guarding_triton
+             settings.describe_limit(), engine.notes.applied_text())
+    return _installer.guarding_triton
 
 
 def _patch_triton(engine: Engine, version: str) -> list[str]:
@@ -174,15 +182,14 @@ def _patch_triton(engine: Engine, version: str) -> list[str]:
             failed.append(f"could not patch Triton {version}: {patch.name} ({type(error).__name__}: {error})")
             log.debug("smemguard: could not patch %s", patch.target, exc_info=True)
             continue
-        _note_applied(patch, announce=False)
+        _note_applied(patch, engine, announce=False)
     return failed
 
 
 def _on_triton_imported(module) -> None:
     """Post-import hook: must never raise, or it breaks the user's ``import triton``."""
-    global _pending
-    with _lock:
-        settings, _pending = _pending, None
+    with _installer.lock:
+        settings, _installer.pending = _installer.pending, None
         if settings is None:
             return
         try:
@@ -204,8 +211,8 @@ def _report(settings: Settings) -> None:
     from .patches import MODULES
 
     problems = settings_problems(settings)
-    new = [p for p in problems if p not in _reported_problems]
-    _reported_problems.update(new)
+    new = [p for p in problems if p not in _installer.reported_problems]
+    _installer.reported_problems.update(new)
     if settings.mode == "strict" and problems:
         raise SettingsError("smemguard: " + " ".join(problems))
     for problem in new:
@@ -223,22 +230,21 @@ def install(settings: Settings | None = None) -> bool:
     could not be installed (the reason is logged). In ``strict`` mode a misconfiguration
     raises :class:`~smemguard.facts.settings.SettingsError` instead.
     """
-    global _pending, _hook_registered
     settings = settings or settings_module.current()
-    with _lock:
-        if process.installed_engine() is not None or _pending is not None:
-            return _guarding_triton or _pending is not None
+    with _installer.lock:
+        if process.installed_engine() is not None or _installer.pending is not None:
+            return _installer.guarding_triton or _installer.pending is not None
         _report(settings)
         if not settings.enabled:
             log.info("smemguard %s is off (SMEMGUARD=off)", __version__)
             return False
         if "triton" not in sys.modules:
-            _pending = settings
-            if not _hook_registered:
+            _installer.pending = settings
+            if not _installer.triton_hook:
                 import wrapt
 
                 wrapt.register_post_import_hook(_on_triton_imported, "triton")
-                _hook_registered = True
+                _installer.triton_hook = True
             log.debug("smemguard: will install when triton is imported")
             return True
         return _patch(settings)
@@ -246,11 +252,10 @@ def install(settings: Settings | None = None) -> bool:
 
 def uninstall() -> None:
     """Remove what :func:`install` added; safe to call at any time, any number of times."""
-    global _pending, _guarding_triton
-    with _lock:
-        engine, _pending = process.installed_engine(), None
+    with _installer.lock:
+        engine, _installer.pending = process.installed_engine(), None
         process.set_installed_engine(None)
-        _guarding_triton = False
+        _installer.guarding_triton = False
         metrics.configure(None)
         if "triton" not in sys.modules:
             return  # nothing was patched yet, and removing nothing must not import Triton
@@ -258,7 +263,6 @@ def uninstall() -> None:
 
         if engine is not None:
             engine.close()
-        process.forget_patches()
         for patch in reversed(all_patches()):
             try:
                 patch.unpatch()
@@ -275,7 +279,7 @@ def is_installed() -> bool:
     """True when every Triton launch in this process is guarded now. After ``install()`` before ``import
     triton`` nothing is guarded yet (``install()`` returned True: it will be, once Triton is imported), and
     after a failed ``import triton`` nothing is: False in both, by design."""
-    with _lock:
+    with _installer.lock:
         if process.installed_engine() is None:
             return False
     from .patches import kernel_interface

@@ -98,7 +98,8 @@ def test_an_autotuner_times_each_config_as_the_kernel_that_will_run(install_guar
         gpu.bench_ms = iter([1.0, 2.0] * 100).__next__  # the too-big config's variant times fastest
         kernel[lambda meta: (4, 4)](*matmul_args(*operands()))
     assert raised == [], "no OutOfResources, not even inside the benchmark"
-    timings = {str(cfg): ms for cfg, ms in process.timings(kernel, next(iter(kernel.cache))).items()}
+    measured = smemguard.guard.installed_engine().notes.timings(kernel, next(iter(kernel.cache)))
+    timings = {str(cfg): ms for cfg, ms in measured.items()}
     assert set(timings) == {str(too_big), str(fits)} and float("inf") not in timings.values()
     assert (gpu.launches[-1].num_stages, gpu.launches[-1].shared) == (4, 98304), "the timed variant runs"
     [record] = records(incident_log)
@@ -123,11 +124,12 @@ def test_the_next_process_times_the_stored_variant_and_chooses_as_the_first(inci
                 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled[-1].append(
                     (kw["compile"]["constants"].get(block_m), kw["compile"]["num_stages"])) and False
                 kernel[lambda meta: (4, 4)](*matmul_args(*operands()))
+            notes = smemguard.guard.installed_engine().notes
         finally:
             triton.knobs.runtime.jit_cache_hook = None
             smemguard.uninstall()
         launched.append((gpu.launches[-1].num_stages, gpu.launches[-1].shared))
-        assert float("inf") not in process.timings(kernel, next(iter(kernel.cache))).values()
+        assert float("inf") not in notes.timings(kernel, next(iter(kernel.cache))).values()
     assert launched == [(4, 98304), (4, 98304)], "the same config, the same variant"
     if process.triton_release() >= (3, 5):
         assert compiled[1] == [(128, 4), (64, 2)], "the stored variant compiled directly"

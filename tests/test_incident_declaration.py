@@ -145,7 +145,10 @@ def test_a_source_writes_the_fields_declared_as_its_own(source):
 @pytest.mark.parametrize("device", [None, 0], ids=["deepgemm", "triton"])
 @pytest.mark.parametrize("unverified", [[], ["kernel_interface (triton 9.9.0)"]], ids=["verified", "unverified"])
 def test_every_record_carries_the_common_fields_declared(monkeypatch, device, unverified):
-    monkeypatch.setattr(incidents.process, "unverified_patches", lambda: unverified)
+    notes = incidents.process.Notes()
+    if unverified:
+        notes.note_patch("kernel_interface", "triton", "9.9.0", verified=False)
+    monkeypatch.setattr(incidents.process, "notes", lambda: notes)
     monkeypatch.setattr(incidents.process, "triton_version", lambda: "9.9.0")
     monkeypatch.setattr(incidents.process, "device_description", lambda index: {"index": index})
     monkeypatch.setattr(incidents.process, "device_limit", lambda index: 101376)

@@ -11,7 +11,6 @@ from smemguard.store import decision_cache
 from smemguard import guard
 from smemguard.engine import ladder, recall, recovery
 from smemguard.kernels import launch, variants
-from smemguard.facts import process
 from smemguard.testing import fake_gpu
 
 from conftest import records
@@ -97,7 +96,7 @@ def test_a_failing_recall_still_recovers_by_deciding_again(install_guard, incide
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache):
         launch_it()
     guard.installed_engine().decided.clear()  # a new process: nothing decided here yet
-    process.drop_replacements()
+    guard.installed_engine().notes.drop_replacements()
     monkeypatch.setattr(recall, "recall", always_failing(recall.recall))
     with fake_gpu("L4", max_shared=40000, cache_dir=triton_cache) as gpu:
         launch_it()

@@ -294,7 +294,7 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
     if not stored:
         with steps.skippable("store the decision"):
             _store(case, kernel, count, overflow, settings)
-    process.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
+    engine.notes.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
 
 

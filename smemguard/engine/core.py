@@ -58,6 +58,7 @@ class Engine:
         self.settings = settings
         self.decided = Decided()
         self.memory = Memory()
+        self.notes = process.Notes()
         self.compiling = process.engine_compiling
         self.closed = False
 
@@ -75,7 +76,7 @@ class Engine:
 
         if self.closed:
             raise error
-        return recovery.handle(kernel, grid, args, kwargs, error, self.settings, again, self.decided)
+        return recovery.handle(self, kernel, grid, args, kwargs, error, again)
 
     def remembered_compile(self, jit, source, device, options, *, launching: bool):
         """Option overrides remembered for the variant Triton is about to compile, or its stored refusal."""
@@ -93,7 +94,7 @@ class Engine:
         if self.closed:
             return compiled
         with process.engine_compiling.scope():
-            return recovery.handle_warmup(kernel, grid, args, kwargs, compiled, self.settings, self.decided)
+            return recovery.handle_warmup(self, kernel, grid, args, kwargs, compiled)
 
     def pinned_compile(self, compile_fn, args, kwargs):
         """The kernel compiled with the options pinned for it on this GPU (:mod:`.pins`), or None: compile as
@@ -197,4 +198,4 @@ class Engine:
         self.closed = True
         self.decided.clear()
         self.memory.clear()
-        process.drop_replacements()
+        self.notes.drop_replacements()

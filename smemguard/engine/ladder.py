@@ -38,7 +38,6 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..facts import process
 from ..kernels import estimate, introspect, parameters, registry
 from ..kernels.launch import Attempt, Launch, describe, try_compile, try_compile_all, with_config
 from ..store.decision import CONFIG_CHANGED, FALLBACK, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
@@ -82,10 +81,11 @@ class _Measured:
     # The arch and operand types of the failing launch, when its measured bytes lie inside the calibrated envelope.
     estimated: tuple | None = None
     compile_ms: float = 0.0
+    timings: dict = dataclasses.field(default_factory=dict)  # {config: median ms} the tuner measured for this key
 
     @classmethod
-    def of(cls, launch: Launch, failing, error) -> "_Measured":
-        measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)])
+    def of(cls, launch: Launch, failing, error, timings: dict) -> "_Measured":
+        measured = cls(error.limit, [(_constexprs(launch), failing.metadata.num_stages)], timings=timings)
         arch = getattr(getattr(failing.metadata, "target", None), "arch", None)
         futile = parameters.knobs_of(launch.jit).stages_futile()
         if arch is not None and not estimate.stages_change_bytes(arch, None):
@@ -249,7 +249,7 @@ def _candidate_configs(launch: Launch, reference, measured: _Measured):
     only that config's fewer stages remain.
     """
     limit, stages_matter = measured.limit, measured.stages_matter
-    timings = process.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
+    timings = measured.timings
     allowed = allowed_configs(launch)
     if launch.tuner is not None and len(allowed) == 1 < len(launch.tuner.configs):
         measured.pinned = (f"the tuner's pruner {introspect.callable_name(launch.tuner.early_config_prune)} pins "
@@ -311,12 +311,13 @@ def allowed_configs(launch: Launch) -> list:
     return list(prune(tuner.configs, named, **launch.tuner_kwargs, grid=launch.grid, warmup=False))
 
 
-def decide(launch: Launch, failing, error) -> Decision:
-    """Try the candidates for ``launch`` (whose compiled kernel ``failing`` raised ``error``)."""
+def decide(launch: Launch, failing, error, timings: dict | None = None) -> Decision:
+    """Try the candidates for ``launch`` (whose compiled kernel ``failing`` raised ``error``); ``timings``: what its
+    tuner measured for this key ({config: median ms}), the fastest of them tried first."""
     attempts = [Attempt(describe(launch, failing), error.required, error.limit, False)]
     budget = MAX_CANDIDATES
     fitting: list[Decision] = []  # candidates that fit, most preferred first
-    measured = _Measured.of(launch, failing, error)
+    measured = _Measured.of(launch, failing, error, timings or {})
 
     for option, value, kernel, attempt in _option_attempts(launch, failing, error, measured, budget):
         budget -= 1

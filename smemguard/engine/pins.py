@@ -102,7 +102,7 @@ def pinned_compile(engine, compile_fn, args: tuple, kwargs: dict):
         steps = Steps(name)
         with steps.skippable("record the pin"):
             _record(engine, pin, source, asked, kernel, {**changes, **lowered}, (device, limit), started, steps)
-    process.note_replacement(jit, device, None, kernel)  # uninstall() takes it out of the JIT cache again
+    engine.notes.note_replacement(jit, device, None, kernel)  # uninstall() takes it out of the JIT cache again
     return kernel
 
 

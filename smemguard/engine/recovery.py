@@ -68,11 +68,11 @@ class Decided:
             self._cases.clear()
 
 
-def _plan(decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
+def _plan(engine, decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
     """What runs now that ``decision`` is taken: the relaunch, the user's fallback, or the user's error."""
     if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
         with steps.required("replace in the JIT cache"):
-            replace_in_jit_cache(launch, failing, decision.replacement)
+            replace_in_jit_cache(launch, failing, decision.replacement, engine.notes)
         return launch.relaunch
     if decision.action == CONFIG_CHANGED:
         with steps.required("launch with the new config"):
@@ -110,12 +110,12 @@ def _reraise(error):
     raise error
 
 
-def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
+def _decide(engine, launch: Launch, failing, error, steps: Steps) -> Decision:
     """The decision for this failure: one stored by any process for the same case, else a new one (stored).
     The store only saves work: when reading or writing it fails, the ladder decides and nothing is stored."""
     store = cases = decision = None
     with steps.skippable("open the decision store"):
-        store = decision_cache.store(settings.cache_dir)
+        store = decision_cache.store(engine.settings.cache_dir)
     if store is not None:
         with steps.skippable("key the stored decisions"):
             cases = variants.cases_for(launch, failing)
@@ -124,19 +124,20 @@ def _decide(launch: Launch, failing, error, settings, steps: Steps) -> Decision:
             decision = recall.recall(launch, failing, cases, store)
     if decision is None:
         with steps.required("decide"):
-            decision = ladder.decide(launch, failing, error)
+            timings = engine.notes.timings(launch.tuner, launch.tuning_key) if launch.tuner is not None else {}
+            decision = ladder.decide(launch, failing, error, timings)
         if cases:
             with steps.skippable("store the decision"):
                 decision = recall.remember(launch, failing, error, decision, cases, store)
     return decision
 
 
-def handle_warmup(launched, grid, args, kwargs, compiled, settings, decided: Decided):
+def handle_warmup(engine, launched, grid, args, kwargs, compiled):
     """``launched.warmup(...)`` compiled ``compiled``: when it will not fit, decide its replacement now
     and return that (it is in the JIT cache for the first launch). Never raises: a warm-up whose
     kernel stays as it was is decided at its first launch instead."""
     try:
-        if compiled is None or settings.observe_only:
+        if compiled is None or engine.settings.observe_only:
             return compiled
         error = overflow(compiled)
         if error is None:
@@ -145,15 +146,15 @@ def handle_warmup(launched, grid, args, kwargs, compiled, settings, decided: Dec
         launch = resolve(launched, grid, args, kwargs)
         if launch is None or launch.tuner is not None:  # timing a tuner's candidates would launch them
             return compiled
-        case = decided.case_for(launch, compiled)
+        case = engine.decided.case_for(launch, compiled)
         with case.lock:
             if case.decision is None:
                 described = described_args(launch)
-                decision = _decide(launch, compiled, error, settings, Steps(introspect.kernel_name(launched)))
+                decision = _decide(engine, launch, compiled, error, Steps(introspect.kernel_name(launched)))
                 case.decision = records.record_launch(launch, launched, compiled, error, decision, started,
-                                                        settings.log_path, described, phase="warmup")
+                                                        engine.settings.log_path, described, phase="warmup")
         if case.decision.action in (STAGES_REDUCED, WARPS_REDUCED):
-            replace_in_jit_cache(launch, compiled, case.decision.replacement)
+            replace_in_jit_cache(launch, compiled, case.decision.replacement, engine.notes)
             return case.decision.replacement
     except StepFailed:  # logged where it failed
         pass
@@ -171,7 +172,7 @@ def _layer_name(launched) -> str:
         return type(launched).__qualname__
 
 
-def handle(launched, grid, args, kwargs, error, settings, again, decided: Decided):
+def handle(engine, launched, grid, args, kwargs, error, again):
     """Recover the launch ``launched[grid](*args, **kwargs)`` that raised ``error``, or re-raise it.
     ``again()`` runs the launch once more as it was asked (through every layer of the guarded call).
 
@@ -179,10 +180,10 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
     around all of it); what it decides to run (the relaunch, the user's fallback) runs outside it, so
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
-    saved work, the recovered launch. ``decided``: the decisions of the install, one per failing kernel."""
+    saved work, the recovered launch. ``engine``: the install's, whose decisions are one per failing kernel."""
     stored = compile_fit.stored(error)
     if stored is not None:
-        return _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided, stored)
+        return _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored)
     started = time.perf_counter()
     steps = Steps(_layer_name(launched))
     launch = failing = None
@@ -193,8 +194,8 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
             if launch is not None:
                 with steps.required("compile the failing launch"):
                     failing = launch.compile()
-                process.note_failing_kernel(error, failing)
-            run = _recover(launched, launch, failing, error, settings, decided, steps, started)
+                engine.notes.note_failing_kernel(error, failing)
+            run = _recover(engine, launched, launch, failing, error, steps, started)
     except StepFailed:
         run = None
     except Exception:
@@ -204,13 +205,12 @@ def handle(launched, grid, args, kwargs, error, settings, again, decided: Decide
         records.record_launch(launch, launched, failing, error, Decision(
             RERAISED, (), internal_steps=tuple(steps.failed),
             reason=f"smemguard's own step {steps.failed[-1]!r} failed (its bug: please report it); the original "
-                   "error is raised"), started, settings.log_path)
+                   "error is raised"), started, engine.settings.log_path)
         raise error
     return run()
 
 
-def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, decided: Decided,
-                      stored: tuple[str, dict]):
+def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
     another config (:func:`smemguard.engine.compile_fit.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
@@ -236,12 +236,12 @@ def _switch_as_stored(launched, grid, args, kwargs, error, settings, again, deci
             return again()
     except OutOfResources as real:
         real_error = real
-    return handle(launched, grid, args, kwargs, real_error, settings, again, decided)
+    return handle(engine, launched, grid, args, kwargs, real_error, again)
 
 
-def _recover(launched, launch: Launch | None, failing, error, settings, decided: Decided, steps: Steps,
-             started: float):
+def _recover(engine, launched, launch: Launch | None, failing, error, steps: Steps, started: float):
     """What runs for the failed launch (see :func:`_plan`), with its decision taken and recorded."""
+    settings = engine.settings
     if launch is None:
         action = OBSERVED if settings.observe_only else RERAISED
         decision = records.record_launch(None, launched, None, error, Decision(action, (), reason=(
@@ -261,14 +261,14 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
     if fitting:
         return launch.relaunch
     with steps.skippable("find the case"):
-        case = decided.case_for(launch, failing)
+        case = engine.decided.case_for(launch, failing)
     with case.lock:
         if case.decision is None:
             # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
             described = None
             with steps.skippable("describe the arguments"):
                 described = described_args(launch)
-            decision = _decide(launch, failing, error, settings, steps)
+            decision = _decide(engine, launch, failing, error, steps)
             if steps.failed:
                 decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
             if decision.action == FALLBACK:  # recorded once it ran: the record says whether it raised
@@ -288,7 +288,7 @@ def _recover(launched, launch: Launch | None, failing, error, settings, decided:
                 return functools.partial(_reraise, error)
             case.decision, case.recorded = records.record_launch(launch, launched, failing, error, case.decision,
                                                                    started, settings.log_path), True
-    return _plan(case.decision, launch, failing, error, steps)
+    return _plan(engine, case.decision, launch, failing, error, steps)
 
 
 def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:

@@ -37,7 +37,7 @@ class Outcome:
     failed: list  # Attempt per tiles tried, the library's first
     least: int | None  # the least bytes the launch guard's candidates needed at the smallest tiles
     started: float
-    settings: Any
+    engine: Any  # the install's (smemguard.engine.core.Engine)
     steps: Steps
 
     def reduced(self, final: tuple) -> None:
@@ -51,7 +51,7 @@ class Outcome:
 
     def _remember(self, final: tuple) -> None:
         """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
-        remember_tiles(self.settings, tile_case(self.name, self.declaration.jits, self.declaration.name,
+        remember_tiles(self.engine.settings, tile_case(self.name, self.declaration.jits, self.declaration.name,
                                                 self.declaration.tiles, self.shape),
                        final=self.declaration.label(final), from_config=self.failed[0].config,
                        required=self.error.required, tiles=final, steps=self.steps)
@@ -97,7 +97,7 @@ class Outcome:
         device = process.current_device()
         described = {}
         with self.steps.skippable("describe the failed launch"):
-            described = recorded.failed_launch_fields(self.error)
+            described = recorded.failed_launch_fields(self.error, self.engine.notes)
         incident = incidents.Incident(
             kernel=self.kernel, launched_as=self.name, phase="launch", action=action, final=final, resource=SHARED,
             required=self.error.required, limit_hit=self.error.limit, started=self.started, device=device,
@@ -105,7 +105,7 @@ class Outcome:
             attempts=attempt_records(attempts),
             extras={**described, "shape_class": dict(self.shape), "config": self.failed[0].config,
                     "choice": self.declaration.name})
-        return incidents.report(incident, self.settings.log_path, (self.name, self.declaration.name, self.shape,
+        return incidents.report(incident, self.engine.settings.log_path, (self.name, self.declaration.name, self.shape,
                                                                    device, action), message, *args)
 
 

@@ -397,7 +397,7 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
         return result
     original, started, steps, failed, step = unrecorded or error, time.perf_counter(), Steps(name), [], None
     with steps.skippable("read the failed launch"):
-        step = _failed_choice(declarations, call, error)
+        step = _failed_choice(declarations, call, error, engine)
     if step is None:
         raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
     declaration, shape, tiles, kernel = step
@@ -405,7 +405,7 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
     if known is not None:  # decided and recorded before in this process
         return wrapper_outcomes.nothing_fits(known, fallback, original, args, kwargs)
     outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started,
-                                       engine.settings, steps)
+                                       engine, steps)
     while True:
         failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
         smaller = declaration.smaller(tiles)
@@ -428,7 +428,7 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
             break
         step = None
         with steps.skippable("read the failed launch"):
-            step = _failed_choice(declarations, call, error)
+            step = _failed_choice(declarations, call, error, engine)
         if step is None or step[:2] != (declaration, shape):
             raise error  # a later launch failed after the kernel ran: the call is not run again
         tiles = step[2]
@@ -436,10 +436,10 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
     return result
 
 
-def _failed_choice(declarations: tuple, call: _Call, error) -> tuple | None:
+def _failed_choice(declarations: tuple, call: _Call, error, engine) -> tuple | None:
     """(declaration, shape class, tiles, kernel) when ``error`` came from a launch of a declared kernel with the
     tiles a declaration answered in ``call`` (each passed by name); else None."""
-    kernel, launched = _failed_launch(error)
+    kernel, launched = _failed_launch(error, engine)
     chosen = _chosen(call, kernel, launched, declarations)
     return None if chosen is None else (*chosen, kernel)
 
@@ -479,10 +479,10 @@ def _first_call_on_stack(jit) -> bool:
     return False
 
 
-def _failed_launch(error) -> tuple[Any, dict]:
+def _failed_launch(error, engine) -> tuple[Any, dict]:
     """(the Triton kernel whose launch raised ``error``, the arguments it was launched with by name), as the launch
-    guard saw that launch (``process.failed_launch``); (None, {}) for an error no guarded launch raised."""
-    kernel, _, _, launched = process.failed_launch(error) or (None, None, (), {})
+    guard saw that launch (``engine.notes.failed_launch``); (None, {}) for an error no guarded launch raised."""
+    kernel, _, _, launched = engine.notes.failed_launch(error) or (None, None, (), {})
     jit = introspect.jit_function(kernel) if kernel is not None else None
     return (jit, launched) if jit is not None and hasattr(jit, "arg_names") else (None, {})
 

@@ -368,10 +368,11 @@ def _compiled(entry):
     return entry.kernel if future_kernel is not None and isinstance(entry, future_kernel) else entry
 
 
-def replace_in_jit_cache(launch: Launch, failing, replacement) -> None:
-    """Put ``replacement`` under every key whose kernel is a compile of ``failing``."""
+def replace_in_jit_cache(launch: Launch, failing, replacement, notes: process.Notes) -> None:
+    """Put ``replacement`` under every key whose kernel is a compile of ``failing``, each noted in ``notes`` (the
+    install's: its uninstall takes them out again)."""
     device = process.current_device()
     kernel_cache = launch.jit.device_caches[device][0]
     for key in list(jit_keys_of(launch, failing)):
         kernel_cache[key] = replacement
-        process.note_replacement(launch.jit, device, key, replacement)
+        notes.note_replacement(launch.jit, device, key, replacement)

@@ -112,18 +112,18 @@ def in_progress(jit) -> tuple[Launch | None, bool]:
         return None, False
 
 
-def failed_launch_fields(error) -> dict:
-    """The record's fields of the launch that raised ``error``, as the launch guard noted it
-    (``facts.process.failed_launch``), for a wrapper that chose its tiles again; {} for an error no guarded launch
-    raised. The failing kernel is the one in the JIT cache (looked up, not compiled again)."""
-    noted = process.failed_launch(error)
+def failed_launch_fields(error, notes: process.Notes) -> dict:
+    """The record's fields of the launch that raised ``error``, as the launch guard noted it in ``notes`` (the
+    install's :class:`~smemguard.facts.process.Notes`), for a wrapper that chose its tiles again; {} for an error no
+    guarded launch raised. The failing kernel is the one in the JIT cache (looked up, not compiled again)."""
+    noted = notes.failed_launch(error)
     if noted is None:
         return {}
     launched, grid, args, kwargs = noted
     launch = resolve(launched, grid, args, kwargs)
     if launch is None:
         return {}
-    failing = process.failing_kernel(error)  # as the engine compiled it when the launch failed
+    failing = notes.failing_kernel(error)  # as the engine compiled it when the launch failed
     if failing is None:
         with process.engine_compiling.scope():  # the variant that failed, from the JIT cache: never fitted here
             failing = launch.compile()

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import wrapt
 
+from ..facts.process import Notes
 from ..facts.versions import Supported
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class Port(Protocol):
     #: what the patches of this install decided, a table per patch (:class:`smemguard.engine.core.Memory`:
     #: ``memory.table(name)``, changed under ``memory.lock``), forgotten when the engine closes
     memory: Any
+    #: what the seams of this install noted for the engine: the emulated limit, autotuner timings, failed launches,
+    #: kernels put into Triton's JIT caches (:class:`smemguard.facts.process.Notes`)
+    notes: Notes
     #: true while the engine compiles variants of its own (the ladder's candidates on its pool of threads, warm-up
     #: and torch.compile recoveries, the core's fewer-stage compiles), which it measures as they are: the compile
     #: seams then hand Triton's result on without asking the engine (a process-wide flag: test it, never call it)

@@ -197,10 +197,11 @@ class TileChoice(Patch):
 
     def _failed_launch(self, error: BaseException) -> tuple | None:
         """(args, kwargs) of the launch of the patch's kernel that raised ``error`` for shared memory, as the
-        launch guard saw it (``process.failed_launch``); None when ``error`` came from another launch."""
-        if getattr(error, "name", None) != "shared memory":
+        launch guard saw it (``Port.notes.failed_launch``); None when ``error`` came from another launch."""
+        engine = self.engine
+        if getattr(error, "name", None) != "shared memory" or engine is None:
             return None
-        kernel, _, args, kwargs = process.failed_launch(error) or (None, None, (), None)
+        kernel, _, args, kwargs = engine.notes.failed_launch(error) or (None, None, (), None)
         if kernel is not self._jit() or not isinstance(kwargs, dict):
             return None
         return tuple(args), kwargs
@@ -265,7 +266,7 @@ class TileChoice(Patch):
     def _report(self, error, key: tuple, failed: list, final: int, started: float, steps) -> None:
         described = {}
         with steps.skippable("describe the failed launch"):
-            described = recorded.failed_launch_fields(error)
+            described = recorded.failed_launch_fields(error, self.engine.notes)
         try:
             device, _, *shape = key
             shape_class = dict(zip(self.shape_fields, _plain(shape)))

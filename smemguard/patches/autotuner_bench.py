@@ -33,7 +33,9 @@ def _record(wrapped, instance, args, kwargs):
     try:
         median = result[0] if isinstance(result, (list, tuple)) else result
         meta = {name: value for name, value in kwargs.items() if name != "config"}
-        process.note_timing(instance, tuners.key_for(instance, args, meta), kwargs["config"], float(median))
+        engine = PATCH.engine
+        if engine is not None:
+            engine.notes.note_timing(instance, tuners.key_for(instance, args, meta), kwargs["config"], float(median))
     except Exception:  # bookkeeping only: never disturb tuning
         log.debug("could not record an autotuner timing", exc_info=True)
     return result

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sys
 
-from ..facts import process
 from ..facts.versions import Supported
 from . import Layer, Patch, wrapt_layer
 
@@ -30,11 +29,13 @@ MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.ru
 #: The C++ loader checks only kernels above the 48 KiB every CUDA GPU gives without opting in.
 _STATIC_SHARED = 49152
 
-_layers = {module: Layer(module, "StaticallyLaunchedCudaKernel.load_kernel") for module in MODULES}
+#: One layer per home of the launcher; a process imports one of them.
+LAYERS = tuple(Layer(module, "StaticallyLaunchedCudaKernel.load_kernel") for module in MODULES)
 
 
 def _refuse_over_emulated_limit(wrapped, instance, args, kwargs):
-    limit = process.emulated_limit()
+    engine = PATCH.engine
+    limit = engine.notes.emulated_limit if engine is not None else None
     shared = getattr(instance, "shared", 0)
     if limit is not None and not _loaded(instance, args, kwargs) and shared > _STATIC_SHARED and shared >= limit:
         import torch
@@ -54,14 +55,14 @@ def _loaded(instance, args, kwargs) -> bool:
 
 
 def _apply(engine) -> None:
-    process.set_emulated_limit(engine.settings.max_shared)
-    for module, layer in _layers.items():
-        if hasattr(sys.modules.get(module), "StaticallyLaunchedCudaKernel"):
+    engine.notes.emulated_limit = engine.settings.max_shared
+    for layer in LAYERS:
+        if hasattr(sys.modules.get(layer.module), "StaticallyLaunchedCudaKernel"):
             layer.add(wrapt_layer(_refuse_over_emulated_limit))
 
 
 def _remove() -> None:
-    for layer in _layers.values():
+    for layer in LAYERS:
         layer.remove()
 
 
@@ -70,4 +71,4 @@ PATCH = Patch(__name__, target=f"{MODULES[0]}.StaticallyLaunchedCudaKernel.load_
               checked=("2.11.0", "2.13.0", "2.14.0", "2.15.0"),
               observe_safe=True,  # observe mode enforces the emulated limit too: that is what it observes
               wanted=lambda settings: settings.max_shared is not None,
-              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in _layers.values()))
+              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in LAYERS))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ..facts import process
 from ..facts.versions import Supported
 from ..kernels.parameters import lowered_constexprs
 from . import Layer, Patch, wrapt_layer
@@ -73,7 +72,7 @@ def _compile_remembered(wrapped, instance, args, kwargs):
             override = None
     kernel = wrapped(*args, **kwargs)
     if override and kernel is not None:
-        process.note_replacement(instance, device, key, kernel)  # uninstall() takes it out again
+        engine.notes.note_replacement(instance, device, key, kernel)  # uninstall() takes it out again
     return kernel
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 
-from ..facts import process
 from ..facts.process import launching
 from . import TRITON, TRITON_CHECKED, Layer, Patch, bound
 
@@ -80,10 +79,10 @@ def _guarded_getitem(out_of_resources, triton_getitem):
 
 
 def _recovered(kernel, grid, args, kwargs, error, again):
-    process.note_failed_launch(error, kernel, grid, args, kwargs)  # for a wrapper run again, and its record
     engine = PATCH.engine
     if engine is None:  # uninstalled while another tool's layer kept ours alive
         raise error
+    engine.notes.note_failed_launch(error, kernel, grid, args, kwargs)  # for a wrapper run again, and its record
     return engine.on_out_of_resources(kernel, grid, args, kwargs, error, again)
 
 

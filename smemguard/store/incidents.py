@@ -37,7 +37,7 @@ def new_record(kernel: str) -> dict:
     ``verified: false`` and the ``unverified`` patches when some patch applied above its newest checked release."""
     record = {"schema": SCHEMA, "time": time.strftime(TIME_FORMAT), "pid": os.getpid(), "host": host(),
               "rank": rank(), "kernel": kernel}
-    unverified = process.unverified_patches()
+    unverified = process.notes().unverified_patches()
     if unverified:  # some patch of this process runs on a release newer than any it was checked against
         record.update(verified=False, unverified=unverified)
     return record
@@ -47,7 +47,7 @@ def overflow_fields(device: int, resource: str, required, limit_hit) -> dict:
     """The fields every record of an overflow carries after :func:`new_record`'s: Triton, the device, the
     limits (the device's own and the emulated one), and what did not fit."""
     return {"triton": process.triton_version(), "device": process.device_description(device),
-            "limit": {"device": process.device_limit(device), "emulated": process.emulated_limit()},
+            "limit": {"device": process.device_limit(device), "emulated": process.notes().emulated_limit},
             "resource": resource, "required": required, "limit_hit": limit_hit}
 
 
