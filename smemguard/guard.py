@@ -261,13 +261,13 @@ def uninstall() -> None:
             return  # nothing was patched yet, and removing nothing must not import Triton
         from .patches import all_patches
 
-        if engine is not None:
-            engine.close()
-        for patch in reversed(all_patches()):
+        for patch in reversed(all_patches()):  # before the engine forgets what the patches put on their targets
             try:
                 patch.unpatch()
             except Exception:
                 log.warning("smemguard: could not remove the patch of %s", patch.name, exc_info=True)
+        if engine is not None:
+            engine.close()
 
 
 def installed_engine() -> Engine | None:

@@ -7,9 +7,19 @@ from typing import Any, Callable
 
 from .introspect import declared_kernel, kernel_name
 
-_fallbacks: dict[str, Callable[..., Any]] = {}
-_alternatives: dict[str, tuple] = {}
-_lock = threading.Lock()
+
+
+class _Registered:
+    """What was registered, by kernel name: users' registrations last the process, whichever install is in force
+    (a library registers at its import, before or after ``install()``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fallbacks: dict[str, Callable[..., Any]] = {}
+        self.alternatives: dict[str, tuple] = {}
+
+
+_registered = _Registered()
 
 
 def _registered_name(kernel) -> str:
@@ -37,18 +47,18 @@ def register_fallback(kernel, fallback: Callable[..., Any]) -> None:
     if not callable(fallback):
         raise TypeError(f"fallback must be callable, not {type(fallback).__name__}")
     name = _registered_name(kernel)
-    with _lock:
-        _fallbacks[name] = fallback
+    with _registered.lock:
+        _registered.fallbacks[name] = fallback
 
 
 def unregister_fallback(kernel) -> None:
-    with _lock:
-        _fallbacks.pop(kernel_name(kernel), None)
+    with _registered.lock:
+        _registered.fallbacks.pop(kernel_name(kernel), None)
 
 
 def fallback_for(kernel) -> Callable[..., Any] | None:
-    with _lock:
-        return _fallbacks.get(kernel_name(kernel))
+    with _registered.lock:
+        return _registered.fallbacks.get(kernel_name(kernel))
 
 
 def register_alternatives(kernel, configs) -> None:
@@ -69,15 +79,15 @@ def register_alternatives(kernel, configs) -> None:
         raise TypeError(f"alternatives must be a list of triton.Config objects, not {type(configs).__name__}") from None
     if not all(hasattr(config, "all_kwargs") and hasattr(config, "kwargs") for config in configs):
         raise TypeError("alternatives must be triton.Config objects")
-    with _lock:
-        _alternatives[name] = configs
+    with _registered.lock:
+        _registered.alternatives[name] = configs
 
 
 def alternatives_for(kernel) -> tuple:
-    with _lock:
-        return _alternatives.get(kernel_name(kernel), ())
+    with _registered.lock:
+        return _registered.alternatives.get(kernel_name(kernel), ())
 
 
 def unregister_alternatives(kernel) -> None:
-    with _lock:
-        _alternatives.pop(kernel_name(kernel), None)
+    with _registered.lock:
+        _registered.alternatives.pop(kernel_name(kernel), None)

@@ -179,39 +179,49 @@ def adopt_in_cache(tuner, key, config) -> None:
 TRITON_AUTOTUNER = Tuner("triton.Autotuner", _is_triton_autotuner, tuning_key, _triton_config_in_force,
                          adopt_in_cache)
 
-_lock = threading.Lock()
-_tuners: list[Tuner] = [TRITON_AUTOTUNER]
-_entries: list[Entry] = []
+
+
+class _Kinds:
+    """The tuner and entry kinds described, newest first: libraries describe theirs for the process (a pack at its
+    library's import), Triton's own always there."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tuners: list[Tuner] = [TRITON_AUTOTUNER]
+        self.entries: list[Entry] = []
+
+
+_kinds = _Kinds()
 
 
 def register(kind: Tuner | Entry) -> None:
     """Describe a library's layer; library tuners are asked before Triton's (a library tuner is an
     ``Autotuner`` subclass that its own description reads better)."""
-    with _lock:
-        kinds = _tuners if isinstance(kind, Tuner) else _entries
+    with _kinds.lock:
+        kinds = _kinds.tuners if isinstance(kind, Tuner) else _kinds.entries
         if kind not in kinds:
             kinds.insert(0, kind)
 
 
 def unregister(kind: Tuner | Entry) -> None:
-    with _lock:
-        kinds = _tuners if isinstance(kind, Tuner) else _entries
+    with _kinds.lock:
+        kinds = _kinds.tuners if isinstance(kind, Tuner) else _kinds.entries
         if kind in kinds and kind is not TRITON_AUTOTUNER:
             kinds.remove(kind)
 
 
 def registered() -> tuple:
     """Every tuner and entry kind the engine understands now."""
-    with _lock:
-        return (*_tuners, *_entries)
+    with _kinds.lock:
+        return (*_kinds.tuners, *_kinds.entries)
 
 
 def tuner_for(layer) -> Tuner | None:
-    return next((tuner for tuner in tuple(_tuners) if tuner.matches(layer)), None)
+    return next((tuner for tuner in tuple(_kinds.tuners) if tuner.matches(layer)), None)
 
 
 def is_entry(layer) -> bool:
-    return any(entry.matches(layer) for entry in tuple(_entries))
+    return any(entry.matches(layer) for entry in tuple(_kinds.entries))
 
 
 def key_for(layer, args: tuple, kwargs: dict) -> tuple:

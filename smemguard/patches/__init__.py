@@ -308,27 +308,33 @@ class Registration:
     """What a library patch files in :mod:`smemguard.kernels.registry` for the library's Triton kernels (a fallback, a
     list of alternatives), for the kernels its :class:`Kernels` found: each kernel once, all taken back by
     :meth:`clear`. ``register(kernel, value)``, ``unregister(kernel)`` and ``registered(kernel)`` are the
-    registry's."""
+    registry's; ``memory()`` is the patch's table in the install's memory (:meth:`Patch.memory`), where the kernels
+    filed are kept until :meth:`clear`."""
 
     def __init__(self, register: Callable[[Any, Any], None], unregister: Callable[[Any], None],
-                 registered: Callable[[Any], Any]):
-        self._register, self._unregister, self._registered = register, unregister, registered
-        self._kernels: list = []
+                 registered: Callable[[Any], Any], memory: Callable[[], dict]):
+        self._register, self._unregister, self._registered, self._memory = register, unregister, registered, memory
+
+    @property
+    def _kernels(self) -> list:
+        return self._memory().setdefault("registered kernels", [])
 
     def add(self, kernel, value) -> None:
         """File ``value`` for ``kernel``."""
-        if any(kernel is known for known in self._kernels):
+        kernels = self._kernels
+        if any(kernel is known for known in kernels):
             return
         self._register(kernel, value)
-        self._kernels.append(kernel)
+        kernels.append(kernel)
 
     def holds(self, kernel, value) -> bool:
         """Whether ``kernel`` carries ``value`` in the registry now."""
         return self._registered(kernel) is value
 
     def clear(self) -> None:
-        while self._kernels:
-            self._unregister(self._kernels.pop())
+        kernels = self._kernels
+        while kernels:
+            self._unregister(kernels.pop())
 
 
 def patch_of(module_name: str) -> Patch:

@@ -25,7 +25,7 @@ class AlternativeTiles(Patch):
     def __init__(self, name: str, *, supported, checked: tuple[str, ...], kernels: Kernels, tiles: tuple,
                  num_warps: int, num_stages: int):
         self._registration = Registration(registry.register_alternatives, registry.unregister_alternatives,
-                                          registry.alternatives_for)
+                                          registry.alternatives_for, self.memory)
         [self.kernel] = kernels.kernels
         super().__init__(name, target=self.kernel, kernels=kernels, supported=supported, checked=checked,
                          observe_safe=True, apply=self._register, remove=self._registration.clear,

@@ -51,8 +51,8 @@ MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backen
 
 CHECKED = "5.0.2"
 
-_kinds: list = []  # the layer kinds registered with smemguard.kernels.tuners
-_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
+_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
+                          lambda: PATCH.memory())
 
 
 def _libtuner_key(tuner, args: tuple, kwargs: dict) -> tuple:
@@ -127,7 +127,8 @@ def _register_fallbacks() -> None:
 def _apply(engine) -> None:
     """Describe FlagGems' layers and register the matmul fallbacks (called again on each import)."""
     libentry = sys.modules.get(LIBENTRY_MODULE)
-    if libentry is not None and not _kinds:
+    described = engine.memory.table(PATCH.name).setdefault("kinds", [])  # registered with smemguard.kernels.tuners
+    if libentry is not None and not described:
         try:
             kinds = _kinds_for(libentry)
         except AttributeError as error:
@@ -139,13 +140,14 @@ def _apply(engine) -> None:
             return
         for kind in kinds:
             tuners.register(kind)
-        _kinds.extend(kinds)
+        described.extend(kinds)
     _register_fallbacks()
 
 
 def _remove() -> None:
-    while _kinds:
-        tuners.unregister(_kinds.pop())
+    described = PATCH.memory().get("kinds", [])
+    while described:
+        tuners.unregister(described.pop())
     _fallbacks.clear()
 
 

@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 _CONFIG = "torch.compiler.config"
 
 _SEPARATOR = ","
-_found: str | None = None  # the tag before ours was added
-_ours: str | None = None  # the tag we set
 
 
 def _config():
@@ -41,7 +39,6 @@ def _config():
 
 
 def _apply(engine) -> None:
-    global _found, _ours
     config = _config()
     if not isinstance(getattr(config, "cache_key_tag", None), str):
         process.warn_once(log, ("no cache key tag",), "smemguard: this PyTorch has no torch.compiler.config."
@@ -50,24 +47,25 @@ def _apply(engine) -> None:
     if _present():
         return
     own = f"smemguard-max-shared={engine.settings.max_shared}"
-    _found = config.cache_key_tag
-    _ours = _SEPARATOR.join(part for part in (_found, own) if part)
-    config.cache_key_tag = _ours
+    found = config.cache_key_tag
+    ours = _SEPARATOR.join(part for part in (found, own) if part)
+    config.cache_key_tag = ours
+    PATCH.memory()["tag"] = (found, ours)  # the tag before ours was added, and ours
 
 
 def _remove() -> None:
-    global _found, _ours
-    if _ours is None:
+    found, ours = PATCH.memory().pop("tag", (None, None))
+    if ours is None:
         return
     config = _config()
-    if config.cache_key_tag == _ours:
-        config.cache_key_tag = _found
-    _found = _ours = None
+    if config.cache_key_tag == ours:
+        config.cache_key_tag = found
 
 
 def _present() -> bool:
     config = sys.modules.get(_CONFIG)  # reading never imports torch
-    return _ours is not None and getattr(config, "cache_key_tag", None) == _ours
+    ours = PATCH.memory().get("tag", (None, None))[1]
+    return ours is not None and getattr(config, "cache_key_tag", None) == ours
 
 
 PATCH = Patch(__name__, target=f"{_CONFIG}.cache_key_tag", modules=(_CONFIG,),

@@ -56,8 +56,9 @@ PASSES = {"forward": "get_flex_attn_fwd_configs", "backward": "get_flex_attn_bwd
 #: The target in each of them (one per release family).
 TARGETS = tuple(f"{module}.CUDAConfigHeuristic.get_flex_attn_fwd_configs" for module in MODULES)
 
-_layers = {(module, name): Layer(module, f"CUDAConfigHeuristic.{name}") for module in MODULES
-           for name in PASSES.values()}
+#: One layer per heuristic in each home; a process imports one release, whose home holds the class.
+LAYERS = {(module, name): Layer(module, f"CUDAConfigHeuristic.{name}") for module in MODULES
+          for name in PASSES.values()}
 
 
 def _names_its_arguments(function) -> bool:
@@ -101,7 +102,7 @@ _WRAPPERS = {kind: _wrapper(kind) for kind in PASSES}
 
 
 def _apply(engine) -> None:
-    layered = {id(owner) for (module, _), layer in _layers.items() if layer.present()
+    layered = {id(owner) for (module, _), layer in LAYERS.items() if layer.present()
                for owner in [getattr(sys.modules.get(module), "CUDAConfigHeuristic", None)]}
     for module in MODULES:  # the first module defining the class; a package re-exporting it names the same class
         owner = getattr(sys.modules.get(module), "CUDAConfigHeuristic", None)
@@ -111,7 +112,7 @@ def _apply(engine) -> None:
         for kind, name in PASSES.items():
             if hasattr(owner, name):
                 _check_parameters(owner, name)
-                _layers[(module, name)].add(wrapt_layer(_WRAPPERS[kind]))
+                LAYERS[(module, name)].add(wrapt_layer(_WRAPPERS[kind]))
 
 
 def _check_parameters(owner, name: str) -> None:
@@ -126,7 +127,7 @@ def _check_parameters(owner, name: str) -> None:
 
 
 def _remove() -> None:
-    for layer in _layers.values():
+    for layer in LAYERS.values():
         layer.remove()
 
 
@@ -135,4 +136,4 @@ PATCH = Patch(__name__, target=TARGETS[1], modules=MODULES,
               supported=Supported("torch", (2, 8), (2, 15), label="PyTorch"),
               checked=("2.11.0", "2.13.0", "2.14.1", "2.15.0"),
               observe_safe=False,  # changes the tiles Inductor renders
-              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in _layers.values()))
+              apply=_apply, remove=_remove, present=lambda: any(layer.present() for layer in LAYERS.values()))

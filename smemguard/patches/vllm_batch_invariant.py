@@ -28,7 +28,8 @@ from . import Kernels, Patch, Registration
 MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
 KERNEL = "matmul_kernel_persistent"
 
-_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for)
+_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
+                          lambda: PATCH.memory())
 
 
 def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False, **_):

@@ -215,15 +215,11 @@ def hip_compile_problem() -> str | None:
     return None
 
 
-_backends: dict[int | str, Any] = {}
-
-
+@functools.cache
 def _backend(arch: int | str):
     from triton.compiler.compiler import make_backend
 
-    if arch not in _backends:
-        _backends[arch] = make_backend(gpu_target(arch))
-    return _backends[arch]
+    return make_backend(gpu_target(arch))
 
 
 def _triton_key() -> str:
@@ -292,20 +288,27 @@ def _make_ir_takes_target(source_type) -> bool:
     return "target" in inspect.signature(source_type.make_ir).parameters
 
 
-_worker_jits: dict = {}
-_worker_import_timeout: float | None = None
+class _Worker:
+    """A compile worker's process (one the pool spawned): the kernels it imported, by locator, and how long an
+    import may take."""
+
+    def __init__(self) -> None:
+        self.jits: dict = {}
+        self.import_timeout: float | None = None
+
+
+_worker = _Worker()
 
 
 def _start_worker(import_timeout: float | None) -> None:
-    global _worker_import_timeout
-    _worker_import_timeout = import_timeout
+    _worker.import_timeout = import_timeout
 
 
 def _compile_in_worker(request: CompileRequest) -> dict:
-    if request.locator not in _worker_jits:
+    if request.locator not in _worker.jits:
         with process.quiet_warnings():  # this process imports the target on smemguard's account
-            _worker_jits[request.locator] = jit_from_locator(request.locator, _worker_import_timeout)
-    return compile_request(_worker_jits[request.locator], request)
+            _worker.jits[request.locator] = jit_from_locator(request.locator, _worker.import_timeout)
+    return compile_request(_worker.jits[request.locator], request)
 
 
 class Compiler:

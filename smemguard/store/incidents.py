@@ -27,9 +27,19 @@ from .record_fields import SCHEMA, TIME_FORMAT
 
 log = logging.getLogger(__name__)
 
-_write_lock = threading.Lock()
-_unwritable: set[Path] = set()
-_sequence = 0
+
+
+class _Writer:
+    """What writing records knows in this process: the last record's number (ids are ``pid-number``, unique in the
+    process whichever install wrote them) and the paths found unwritable (warned of once, then left alone)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sequence = 0
+        self.unwritable: set[Path] = set()
+
+
+_writer = _Writer()
 
 
 def new_record(kernel: str) -> dict:
@@ -103,18 +113,17 @@ def _json_default(value):
 
 def write(record: dict, path: Path | None) -> str | None:
     """Append ``record`` to ``path``; return where it went ("path#id"), or None if nowhere."""
-    global _sequence
-    with _write_lock:
-        _sequence += 1
-        record["id"] = f"{os.getpid()}-{_sequence}"
-        if path is None or path in _unwritable:
+    with _writer.lock:
+        _writer.sequence += 1
+        record["id"] = f"{os.getpid()}-{_writer.sequence}"
+        if path is None or path in _writer.unwritable:
             return None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             line = json.dumps(record, default=_json_default, sort_keys=True)
             files.append_line(path, line)  # a FIFO or a device is refused, never waited on
         except OSError as error:
-            _unwritable.add(path)
+            _writer.unwritable.add(path)
             log.warning("smemguard: cannot write incident records to %s (%s); they go to the log only. "
                         "Fix: point SMEMGUARD_LOG at a writable file.", path, error.strerror or error)
             return None

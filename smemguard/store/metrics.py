@@ -63,14 +63,25 @@ _HELP = {
     INFO: "smemguard is installed: its version, Triton's, the mode and the emulated limit (bytes, or device)",
 }
 
-_lock = threading.RLock()  # re-entered when an import inside count() runs the post-import hook
-_live = None  # the live series, once created; False when they cannot be (no prometheus_client, names taken)
-_client_missing = False
-_info_labels: tuple[str, ...] | None = None
-_settings = None  # the installed guard's settings
-_textfile: Path | None = None
-_last_written: tuple | None = None  # (path, the text this process wrote there last, its Tally)
-_watching = False  # the post-import hook on prometheus_client is registered
+
+
+class _Exporter:
+    """The process's exporter: its live series are in prometheus_client's default registry, which a process has
+    one of (a series is registered once per process), and the textfile it writes; configured by the install in
+    force."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered when an import inside count() runs the post-import hook
+        self.live = None  # the live series, once created; False when they cannot be (no prometheus_client, names taken)
+        self.client_missing = False
+        self.info_labels: tuple[str, ...] | None = None
+        self.settings = None  # the installed guard's settings
+        self.textfile: Path | None = None
+        self.last_written: tuple | None = None  # (path, the text this process wrote there last, its Tally)
+        self.watching = False  # the post-import hook on prometheus_client is registered
+
+
+_exporter = _Exporter()
 
 
 def labels_of(record: dict) -> dict[str, str]:
@@ -186,13 +197,12 @@ class _Families:
 
 def _client():
     """prometheus_client, or None when it is not installed (then its import is not tried again)."""
-    global _client_missing
-    if _client_missing:
+    if _exporter.client_missing:
         return None
     try:
         import prometheus_client
     except ImportError:
-        _client_missing = True
+        _exporter.client_missing = True
         return None
     return prometheus_client
 
@@ -218,21 +228,20 @@ class _Live:
 
 
 def _live_series():
-    """The live series, created on first use; None without prometheus_client (caller holds ``_lock``)."""
-    global _live
-    if _live is None:
+    """The live series, created on first use; None without prometheus_client (caller holds ``_exporter.lock``)."""
+    if _exporter.live is None:
         client = _client()
         if client is None:
-            _live = False
-        if _live is not None:  # False, or created by the post-import hook that importing the client ran
-            return _live or None
+            _exporter.live = False
+        if _exporter.live is not None:  # False, or created by the post-import hook that importing the client ran
+            return _exporter.live or None
         try:
-            _live = _Live(client)
+            _exporter.live = _Live(client)
         except ValueError as error:  # a name already registered by someone else
-            _live = False
+            _exporter.live = False
             process.warn_once(log, ("metrics", "registry"), "smemguard: no Prometheus metrics in this process: %s",
                               error)
-    return _live or None
+    return _exporter.live or None
 
 
 def configure(settings) -> None:
@@ -242,21 +251,20 @@ def configure(settings) -> None:
     its multiprocess mode at import, from ``PROMETHEUS_MULTIPROC_DIR``, which a host may set after
     installing the guard. ``smemguard_info`` appears when the host imports it (at once if it has).
     """
-    global _settings, _textfile, _watching
     try:
-        with _lock:
-            _settings = settings
-            _textfile = settings.metrics_file if settings is not None else None
-            if _textfile is not None and importlib.util.find_spec("prometheus_client") is None:
+        with _exporter.lock:
+            _exporter.settings = settings
+            _exporter.textfile = settings.metrics_file if settings is not None else None
+            if _exporter.textfile is not None and importlib.util.find_spec("prometheus_client") is None:
                 process.warn_once(log, ("metrics", "client"),
                                   "smemguard: SMEMGUARD_METRICS_FILE=%s needs prometheus_client, which is not "
                                   "installed; no metrics are written. Fix: pip install 'smemguard[metrics]'",
-                                  _textfile)
-            if _watching or settings is None:
+                                  _exporter.textfile)
+            if _exporter.watching or settings is None:
                 if "prometheus_client" in sys.modules:
                     _publish_info()
                 return
-            _watching = True
+            _exporter.watching = True
         import wrapt  # hooks cannot be removed: this one publishes whatever the settings are then
 
         wrapt.register_post_import_hook(_publish_info, "prometheus_client")
@@ -267,22 +275,22 @@ def configure(settings) -> None:
 
 def _publish_info(_module=None) -> None:
     """``smemguard_info`` 1 for the installed guard's settings, none when not installed. Never raises."""
-    global _info_labels
     from ..facts import process
 
     try:
-        with _lock:
+        with _exporter.lock:
             live = _live_series()
             if live is None:
                 return
-            if _info_labels is not None:
-                live.info.labels(*_info_labels).set(0)  # in PROMETHEUS_MULTIPROC_DIR, a removed series keeps its value
-                live.info.remove(*_info_labels)
-                _info_labels = None
-            if _settings is not None:
-                limit = str(_settings.max_shared) if _settings.max_shared is not None else "device"
-                _info_labels = (__version__, process.triton_version(), _settings.mode, limit)
-                live.info.labels(*_info_labels).set(1)
+            published, settings = _exporter.info_labels, _exporter.settings
+            if published is not None:
+                live.info.labels(*published).set(0)  # in PROMETHEUS_MULTIPROC_DIR, a removed series keeps its value
+                live.info.remove(*published)
+                _exporter.info_labels = None
+            if settings is not None:
+                limit = str(settings.max_shared) if settings.max_shared is not None else "device"
+                _exporter.info_labels = (__version__, process.triton_version(), settings.mode, limit)
+                live.info.labels(*_exporter.info_labels).set(1)
     except Exception:
         process.warn_once(log, ("metrics", "info"), "smemguard: could not publish smemguard_info", exc_info=True)
 
@@ -290,12 +298,12 @@ def _publish_info(_module=None) -> None:
 def count(record: dict) -> None:
     """Add one incident record to the live series and to SMEMGUARD_METRICS_FILE. Never raises."""
     try:
-        with _lock:
+        with _exporter.lock:
             live = _live_series()
             if live is not None:
                 live.add(record)
-            if _textfile is not None and _client() is not None:
-                _update_textfile(_textfile, record)
+            if _exporter.textfile is not None and _client() is not None:
+                _update_textfile(_exporter.textfile, record)
     except Exception:
         process.warn_once(log, ("metrics", "count"), "smemguard: could not count an incident in its Prometheus metrics",
                           exc_info=True)
@@ -305,18 +313,17 @@ def _update_textfile(path: Path, record: dict) -> None:
     """Add ``record`` to the textfile: read, add and replace it atomically under an exclusive lock
     (``.<name>.lock`` beside it, :mod:`smemguard.facts.files`), so a reader never sees half a file and
     concurrent writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
-    global _last_written
     if process.warned(("metrics", str(path))):
         return
     try:
         files.make_directory(path.parent)
         with files.exclusive(path.parent / f".{path.name}.lock"):
             tally = _read_textfile(path)
-            _last_written = None
+            _exporter.last_written = None
             tally.add(record)
             text = tally.exposition()
             files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
-            _last_written = (path, text, tally)
+            _exporter.last_written = (path, text, tally)
     except OSError as error:
         process.warn_once(log, ("metrics", str(path)),
                           "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
@@ -328,8 +335,8 @@ def _read_textfile(path: Path) -> Tally:
     Parsing is most of an update's cost: the text this process wrote last is not parsed again."""
     try:
         text = files.read_bytes(path, MAX_TEXTFILE, follow_links=False).decode("utf-8")
-        if _last_written is not None and _last_written[:2] == (path, text):
-            return _last_written[2]
+        if _exporter.last_written is not None and _exporter.last_written[:2] == (path, text):
+            return _exporter.last_written[2]
         return Tally.parse(text)
     except FileNotFoundError:
         return Tally()
