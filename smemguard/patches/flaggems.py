@@ -51,7 +51,7 @@ MATMUL_MODULES = ("flag_gems.ops.mm", "hopper.ops.mm", "flag_gems.runtime.backen
 
 CHECKED = "5.0.2"
 
-_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
+_FALLBACKS = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
                           lambda: PATCH.memory())
 
 
@@ -121,7 +121,7 @@ def _imported_matmuls():
 
 def _register_fallbacks() -> None:
     for kernel, fallback in _imported_matmuls():
-        _fallbacks.add(kernel, fallback)
+        _FALLBACKS.add(kernel, fallback)
 
 
 def _apply(engine) -> None:
@@ -148,7 +148,7 @@ def _remove() -> None:
     described = PATCH.memory().get("kinds", [])
     while described:
         tuners.unregister(described.pop())
-    _fallbacks.clear()
+    _FALLBACKS.clear()
 
 
 def _present() -> bool:
@@ -157,7 +157,7 @@ def _present() -> bool:
     tuner_class = getattr(libentry, "LibTuner", None)
     described = isinstance(tuner_class, type) and any(
         isinstance(kind, tuners.Tuner) and kind.name == "flag_gems.LibTuner" for kind in tuners.registered())
-    return described or any(_fallbacks.holds(kernel, fallback) for kernel, fallback in _imported_matmuls())
+    return described or any(_FALLBACKS.holds(kernel, fallback) for kernel, fallback in _imported_matmuls())
 
 
 PATCH = Patch(__name__, target=f"{LIBENTRY_MODULE}.LibTuner", modules=(LIBENTRY_MODULE, *MATMUL_MODULES),

@@ -28,7 +28,7 @@ from . import Kernels, Patch, Registration
 MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
 KERNEL = "matmul_kernel_persistent"
 
-_fallbacks = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
+_FALLBACKS = Registration(registry.register_fallback, registry.unregister_fallback, registry.fallback_for,
                           lambda: PATCH.memory())
 
 
@@ -41,7 +41,7 @@ def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False
 def _give_fallbacks(engine) -> None:
     """Give every imported vLLM ``matmul_kernel_persistent`` the fallback (again on each import)."""
     for _, module in PATCH.homes():
-        _fallbacks.add(getattr(module, KERNEL), _batch_invariant_fallback)
+        _FALLBACKS.add(getattr(module, KERNEL), _batch_invariant_fallback)
 
 
 PATCH = Patch(__name__, target=KERNEL, kernels=Kernels(MODULES, {KERNEL: ("a_ptr", "b_ptr", "c_ptr", "bias_ptr",
@@ -49,6 +49,6 @@ PATCH = Patch(__name__, target=KERNEL, kernels=Kernels(MODULES, {KERNEL: ("a_ptr
               supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
               checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
               observe_safe=True,  # registers a fallback only: in observe mode the engine records and re-raises anyway
-              apply=_give_fallbacks, remove=_fallbacks.clear,
-              present=lambda: any(_fallbacks.holds(getattr(module, KERNEL), _batch_invariant_fallback)
+              apply=_give_fallbacks, remove=_FALLBACKS.clear,
+              present=lambda: any(_FALLBACKS.holds(getattr(module, KERNEL), _batch_invariant_fallback)
                                   for _, module in PATCH.homes()))
