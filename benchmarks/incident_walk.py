@@ -5,14 +5,14 @@ CPU stand-in for an L4 (``smemguard.testing.fake_gpu``: Triton compiles, nothing
 smemguard recovers at 4 stages (49152 B). Two installs, each in a fresh process:
 
   default        ``smemguard.install()`` as a user gets it: the compile-time core
-                 (``patches/triton_compile.py``) catches the overflow before the kernel loads
+                 (``patches/triton_seams/triton_compile.py``) catches the overflow before the kernel loads
   launch-guard   ``SMEMGUARD_DISABLE=triton_compile``, as the tests' ``install_guard`` installs: the launch
                  guard catches Triton's ``OutOfResources`` and recovers (what stays for what stages cannot fix)
 
 ``sys.setprofile`` is on around the failing launch only (not the install, not the imports), and
 ``threading.setprofile`` for the threads it starts (candidate compiles may run concurrently). Counted
 are the frames whose code lies in the imported ``smemguard`` package, named by their path in it
-(``recovery.py``, ``patches/kernel_interface.py``); the stand-in driver's module, and whatever it
+(``recovery.py``, ``patches/triton_seams/kernel_interface.py``); the stand-in driver's module, and whatever it
 calls, is the GPU's part and left out (its function count is shown apart). For each install:
 
   files entered        smemguard files in which any code ran, in order of first entry; the smemguard modules

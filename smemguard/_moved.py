@@ -1,4 +1,5 @@
-"""The module paths of smemguard 0.1, before its modules moved into folders, kept for one release:
+"""The module paths of smemguard 0.1, before its modules moved into folders, and of the patch modules before they
+moved into theirs (``smemguard.patches.kernel_interface``), kept for one release:
 ``import smemguard.runtime`` (or ``from smemguard import runtime``) gives ``smemguard.facts.process`` itself, the
 same module object, with a DeprecationWarning naming the new path. Looked up only for a name under smemguard that
 no folder has: a finder of smemguard's own path entry, so that no other import in the process passes through here.
@@ -47,6 +48,14 @@ MOVED = {
     "report": "cli.report",
     "replay": "cli.replay",
 }
+MOVED.update({f"patches.{module.rpartition('.')[2]}": f"patches.{module}" for module in (
+    "triton_seams.max_shared_mem", "triton_seams.autotuner_bench", "triton_seams.jit_compile",
+    "triton_seams.triton_compile", "triton_seams.kernel_interface", "triton_seams.kernel_warmup",
+    "torch_seams.torch_device_properties", "torch_seams.inductor_static_launcher", "torch_seams.inductor_launchers",
+    "torch_seams.inductor_autotune", "torch_seams.inductor_flex_configs", "torch_seams.inductor_cache_key",
+    "contrib.vllm_batch_invariant", "contrib.deepgemm_metadata", "contrib.flaggems", "contrib.vllm_unified_attention",
+    "contrib.vllm_prefill_attention", "contrib.vllm_prefix_prefill", "contrib.vllm_shared_memory",
+    "contrib.sglang_extend_attention", "contrib.sglang_prefill_attention", "contrib.lmdeploy_flash_attention")})
 
 
 class _OldPaths(importlib.abc.PathEntryFinder, importlib.abc.Loader):

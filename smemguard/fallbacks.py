@@ -1,13 +1,14 @@
 """Torch versions of kernels that smemguard substitutes when the real one cannot run.
 
 ``batch_invariant_mm`` stands in for vLLM's batch-invariant ``matmul_kernel_persistent``
-(see :mod:`smemguard.patches.vllm_batch_invariant`).
+(see :mod:`smemguard.patches.contrib.vllm_batch_invariant`).
 
-``cublas_mm`` stands in for FlagGems' Triton matmuls (see :mod:`smemguard.patches.flaggems`).
+``cublas_mm`` stands in for FlagGems' Triton matmuls (see :mod:`smemguard.patches.contrib.flaggems`).
 
 ``sglang_extend_attention`` and ``sglang_context_attention`` compute SGLang's Triton extend and prefill attention
 (``extend_attention_fwd``, ``context_attention_fwd``) in torch, for the calls where not even the smallest tiles fit
-(see :mod:`smemguard.patches.sglang_extend_attention`); each declines (``NotImplemented``) the options it does not
+(see :mod:`smemguard.patches.contrib.sglang_extend_attention`); each declines (``NotImplemented``) the options it does
+not
 compute.
 
 ``paged_mqa_logits_metadata`` stands in for DeepGEMM's ``get_paged_mqa_logits_metadata``,
@@ -19,7 +20,7 @@ decode batch either fails to compile (DeepGEMM <= 2.5.0 before commit 88965b0: s
 the shared-memory size (dynamic shared memory, since 88965b0). The schedule itself is a
 prefix sum and a binary search, cheap in torch, and the numbers are a pure function of the
 context lengths, so the torch version is exact (see :func:`paged_mqa_logits_metadata`).
-:mod:`smemguard.patches.deepgemm_metadata` calls it when DeepGEMM refuses a batch.
+:mod:`smemguard.patches.contrib.deepgemm_metadata` calls it when DeepGEMM refuses a batch.
 
 Read against deepseek-ai/DeepGEMM's metadata kernel and its host code, 2.0.0 to 2.6.1, and NVIDIA's
 ``nv_dev`` branch (releases: docs/MEASURED.md, smemguard/fallbacks.py).

@@ -202,13 +202,13 @@ def _on_triton_imported(module) -> None:
 
 def settings_problems(settings: Settings) -> list[str]:
     """Every problem line of ``settings``, with the names in SMEMGUARD_DISABLE that are no patch module."""
-    from .patches import MODULES
+    from .patches import NAMES
 
-    return [*settings.problems, *settings_module.unknown_patches(settings, MODULES)]
+    return [*settings.problems, *settings_module.unknown_patches(settings, NAMES)]
 
 
 def _report(settings: Settings) -> None:
-    from .patches import MODULES
+    from .patches import NAMES
 
     problems = settings_problems(settings)
     new = [p for p in problems if p not in _installer.reported_problems]
@@ -217,7 +217,7 @@ def _report(settings: Settings) -> None:
         raise SettingsError("smemguard: " + " ".join(problems))
     for problem in new:
         log.warning("smemguard: %s", problem)
-    off = [name for name in settings.disabled if name in MODULES]
+    off = [name for name in settings.disabled if name in NAMES]
     if off and settings.enabled:
         log.info("smemguard: %s left off by %s; their targets are untouched", ", ".join(off), settings_module.DISABLE)
 
@@ -282,6 +282,6 @@ def is_installed() -> bool:
     with _installer.lock:
         if process.installed_engine() is None:
             return False
-    from .patches import kernel_interface
+    from .patches.triton_seams import kernel_interface
 
     return kernel_interface.PATCH.is_patched()

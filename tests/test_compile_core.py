@@ -12,7 +12,7 @@ from triton.compiler import compiler
 
 import smemguard
 from smemguard.facts import process
-from smemguard.patches import triton_compile
+from smemguard.patches.triton_seams import triton_compile
 from smemguard.facts.settings import Settings
 from smemguard.testing import fake_gpu, load_check_failures as load_checks
 
@@ -213,8 +213,8 @@ def test_every_torch_patch_applies_when_inductor_is_imported_as_torch_compile_im
         from smemguard.facts.settings import Settings
         smemguard.install(Settings(max_shared=101376))
         import torch._inductor.compile_fx, torch._inductor.kernel.flex.flex_attention  # what torch.compile loads
-        from smemguard.patches import inductor_cache_key, inductor_flex_configs, inductor_launchers
-        from smemguard.patches import inductor_static_launcher
+        from smemguard.patches.torch_seams import inductor_cache_key, inductor_flex_configs, inductor_launchers
+        from smemguard.patches.torch_seams import inductor_static_launcher
         print([m.PATCH.is_patched() for m in (inductor_launchers, inductor_static_launcher, inductor_flex_configs,
                                         inductor_cache_key)])
     """)

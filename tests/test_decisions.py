@@ -13,7 +13,7 @@ import pytest
 import triton
 
 from smemguard.store import decision_cache
-from smemguard.patches import jit_compile
+from smemguard.patches.triton_seams import jit_compile
 
 from conftest import ROOT, TESTS, records
 

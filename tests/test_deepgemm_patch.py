@@ -10,7 +10,7 @@ import torch
 from conftest import engine, records, run_python
 from smemguard.facts import process
 from smemguard.fallbacks import paged_mqa_logits_metadata
-from smemguard.patches import deepgemm_metadata as patch_module
+from smemguard.patches.contrib import deepgemm_metadata as patch_module
 from smemguard.facts.settings import Settings
 
 # DeepGEMM's texts: the host assertion (DGException through pybind11), the JIT's build failure
@@ -276,7 +276,7 @@ def test_an_unexpected_signature_is_left_alone(standin):
 def test_checking_and_removing_never_import_vllm():
     result = run_python("""
         import sys
-        from smemguard.patches import deepgemm_metadata
+        from smemguard.patches.contrib import deepgemm_metadata
         print(deepgemm_metadata.PATCH.is_patched())
         deepgemm_metadata.PATCH.unpatch()
         print(any(name == "vllm" or name.startswith("vllm.") for name in sys.modules))

@@ -14,7 +14,8 @@ import torch
 
 import smemguard
 from smemguard.facts import gpus, process, settings
-from smemguard.patches import torch_device_properties, vllm_shared_memory
+from smemguard.patches.torch_seams import torch_device_properties
+from smemguard.patches.contrib import vllm_shared_memory
 from smemguard.testing import fake_gpu, load_check_failures
 
 from conftest import records

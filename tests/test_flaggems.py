@@ -19,7 +19,7 @@ import torch
 import smemguard
 from smemguard.kernels import tuners, registry
 from smemguard.cli import replay
-from smemguard.patches import flaggems
+from smemguard.patches.contrib import flaggems
 from smemguard.testing import fake_gpu
 
 from conftest import records, run_python
@@ -235,7 +235,7 @@ def test_importing_flaggems_after_install_patches_it_and_uninstall_removes_it(tm
     out = run_python("""
         import sys, smemguard
         from smemguard.kernels import registry, tuners
-        from smemguard.patches import flaggems
+        from smemguard.patches.contrib import flaggems
         smemguard.install()
         assert not flaggems.PATCH.is_patched()
         import flag_gems  # the post-import hooks patch it here

@@ -37,9 +37,10 @@ def _importable(module: str) -> bool:
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", patches.MODULES)
 def test_a_patch_applies_once_whatever_the_import_order(name, order, tmp_path):
+    module_path, name = name, name.rpartition(".")[2]
     import importlib
 
-    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    patch = importlib.import_module(f"smemguard.patches.{module_path}").PATCH
     module = next((module for module in patch.modules if _importable(module)), None)
     if module is None:
         pytest.skip(f"{name} patches {', '.join(patch.modules)}, not installed here")
@@ -47,7 +48,7 @@ def test_a_patch_applies_once_whatever_the_import_order(name, order, tmp_path):
         import importlib, json, logging
         import smemguard
         from smemguard.facts.settings import Settings
-        from smemguard.patches import {name} as patched
+        import smemguard.patches.{module_path} as patched
 
         settings = Settings(max_shared=65536)  # every patch wanted: an emulated limit, a decision cache
         # wanted, and its library's release one the patch reads (kernel_warmup reads Triton 3.6 and later)

@@ -7,7 +7,7 @@ import wrapt
 
 import smemguard
 from smemguard import patches
-from smemguard.patches import autotuner_bench, kernel_interface, max_shared_mem
+from smemguard.patches.triton_seams import autotuner_bench, kernel_interface, max_shared_mem
 from smemguard.facts.settings import Settings, SettingsError
 
 from conftest import ROOT, records, run_python
@@ -257,19 +257,19 @@ def test_smemguard_versions_says_what_applies_here_without_importing_the_targets
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["patch", "package", "oldest", "newest", "checked", "installed", "status"]
     rows = {line.split()[0]: line.split() for line in lines[1:-1]}
-    assert set(rows) == set(patches.MODULES)
+    assert set(rows) == set(patches.NAMES)
     assert rows["triton_compile"][1:4] == ["Triton", "3.4", "3.9"] and rows["triton_compile"][-1] in (
         "verified", "unverified")
     assert lines[-1] == "imported: []", "reading versions imports none of the patched packages"
 
 
 def test_the_readme_names_every_patch_smemguard_disable_accepts():
-    from smemguard.patches import MODULES
+    from smemguard.patches import NAMES
 
     readme = (ROOT / "README.md").read_text()
     [row] = [line for line in readme.splitlines() if line.startswith("| `SMEMGUARD_DISABLE` |")]
     named = row[row.index("(`") + 1:row.index("`)") + 1]
-    assert sorted(name.strip(" `") for name in named.split(",")) == sorted(MODULES)
+    assert sorted(name.strip(" `") for name in named.split(",")) == sorted(NAMES)
 
 
 def test_uninstall_forgets_what_the_patches_decided(install_guard):

@@ -271,7 +271,7 @@ print(json.dumps({"shared": gpu.launches[-1].shared, "handled": len(handled)}))
 
 
 def test_a_second_process_compiles_the_lowered_depth_directly(tmp_path, triton_cache):
-    from smemguard.patches import jit_compile
+    from smemguard.patches.triton_seams import jit_compile
 
     if not jit_compile.PATCH.supported.admits(triton.__version__):
         pytest.skip("Triton 3.4 compiles inline: remembered decisions apply at the first failing launch")

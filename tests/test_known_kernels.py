@@ -9,7 +9,7 @@ import torch
 
 import smemguard
 from smemguard.kernels import registry
-from smemguard.patches import vllm_batch_invariant
+from smemguard.patches.contrib import vllm_batch_invariant
 from smemguard.testing import fake_gpu
 
 from conftest import run_python
@@ -92,7 +92,7 @@ def test_a_plain_function_under_vllms_name_is_left_alone(tmp_path):
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         import triton, smemguard
-        from smemguard.patches import vllm_batch_invariant
+        from smemguard.patches.contrib import vllm_batch_invariant
         smemguard.install()
         import {VLLM_MODULE}
         print(vllm_batch_invariant.PATCH.is_patched())
@@ -125,7 +125,7 @@ def test_flaggems_of_another_release_or_shape_is_left_unguarded_with_one_line(tm
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
         import triton, smemguard
         from smemguard.kernels import tuners
-        from smemguard.patches import flaggems
+        from smemguard.patches.contrib import flaggems
         smemguard.install()
         import flag_gems
         print(flaggems.PATCH.is_patched(), [kind.name for kind in tuners.registered()])

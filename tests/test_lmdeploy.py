@@ -7,7 +7,7 @@ and sizes them by ``BLOCK_DK``, the largest power of two under the head size: a 
 (DeepSeek-V3's MLA prefill, 192 = 128 + 64 in two dot products) gets the tiles of 128 and needs more than every one
 of these GPUs has, the A100 included. Stages alone recover those launches, bitwise the same. Where no stage count
 fits the tiles the wrapper chose (the absorbed MLA's 576 and shared keys at 256 on sm_120), the pack's smaller
-alternatives run (``patches/lmdeploy_flash_attention``, whose docstring says why any of them computes the same
+alternatives run (``patches/contrib/lmdeploy_flash_attention``, whose docstring says why any of them computes the same
 attention; the GPU test below checks every one against LMDeploy's own tiles and a float64 reference). On a T4 not
 even 16x16 fits the absorbed MLA: the user gets Triton's error and a record that says so.
 
@@ -112,7 +112,7 @@ def test_lmdeploys_prefill_that_does_not_fit_runs_at_fewer_stages(install_guard,
 def test_tiles_lmdeploys_wrapper_chose_that_fit_at_no_stage_count_run_smaller(install_guard, on_gpu, incident_log,
                                                                               gpu, head_dims, shared, tiles,
                                                                               shared_bytes):
-    """The pack's alternatives (``patches/lmdeploy_flash_attention``): the wrapper's grid is a function of
+    """The pack's alternatives (``patches/contrib/lmdeploy_flash_attention``): the wrapper's grid is a function of
     ``BLOCK_M``, so the largest alternative that fits runs with the grid recomputed for it; one record, and the next
     call of the same shape runs it again without another."""
     with on_gpu(gpu) as plain, pytest.raises(OutOfResources):
@@ -207,7 +207,7 @@ class _ForcedTiles:
                     reason="needs a CUDA GPU: LMDeploy's kernel runs there (Triton's interpreter cannot run it)")
 @pytest.mark.parametrize("case", sorted(NUMERICS_CASES))
 def test_on_a_gpu_every_alternative_computes_lmdeploys_attention(case, monkeypatch):
-    from smemguard.patches import lmdeploy_flash_attention
+    from smemguard.patches.contrib import lmdeploy_flash_attention
 
     head_dims, q_seqlens, kv_seqlens, options = NUMERICS_CASES[case]
     options = dict(options)

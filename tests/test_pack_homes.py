@@ -59,7 +59,7 @@ def install_and_import(root, home: str):
         sys.path.insert(0, {str(root)!r})
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
         import triton, smemguard
-        from smemguard.patches import sglang_prefill_attention as pack
+        from smemguard.patches.contrib import sglang_prefill_attention as pack
         smemguard.install()
         module = importlib.import_module({home!r})
         own = module.__dict__["context_attention_fwd"]

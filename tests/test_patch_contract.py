@@ -5,6 +5,7 @@ libraries (which shadow installed ones: the libraries' own behaviour is tested i
 import importlib
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -187,13 +188,18 @@ def stand_ins(tmp_path_factory):
 def test_the_registry_lists_every_patch_module_once():
     import pkgutil
 
-    found = {info.name for info in pkgutil.iter_modules(patches.__path__) if not info.name.startswith("_")}
-    assert sorted(patches.MODULES) == sorted(found) and len(set(patches.MODULES)) == len(patches.MODULES)
+    folders = [info.name for info in pkgutil.iter_modules(patches.__path__)]
+    assert sorted(folders) == ["contrib", "torch_seams", "triton_seams"], "patches/ holds its folders and nothing else"
+    found = {f"{folder}.{info.name}" for folder in folders
+             for info in pkgutil.iter_modules([str(Path(patches.__file__).parent / folder)])
+             if not info.name.startswith("_")}
+    assert sorted(patches.MODULES) == sorted(found) and len(set(patches.NAMES)) == len(patches.MODULES)
 
 
 @pytest.mark.parametrize("name", patches.MODULES)
 def test_the_module_declares_the_contract(name):
-    module = importlib.import_module(f"smemguard.patches.{name}")
+    module_path, name = name, name.rpartition(".")[2]
+    module = importlib.import_module(f"smemguard.patches.{module_path}")
     patch = module.PATCH
     assert isinstance(patch, patches.Patch) and patch.name == name
     assert isinstance(patch.target, str) and patch.target.count(".") >= 2
@@ -217,9 +223,10 @@ SETTINGS = ("inductor_cache_key",)
 
 @pytest.mark.parametrize("name", patches.MODULES)
 def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
+    module_path, name = name, name.rpartition(".")[2]
     import triton
 
-    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    patch = importlib.import_module(f"smemguard.patches.{module_path}").PATCH
     if patch.supported.package == "triton" and not patch.supported.admits(triton.__version__):
         pytest.skip(f"{name} needs Triton {patch.supported}; the installer does not apply it to {triton.__version__}")
     result = run_python(f"""
@@ -227,7 +234,7 @@ def test_patch_unpatch_permutations_leave_the_target_as_it_was(name, stand_ins):
         sys.path.insert(0, {str(stand_ins)!r})
         import triton
         from smemguard.engine.core import Engine
-        from smemguard.patches import {name} as module
+        import smemguard.patches.{module_path} as module
         from smemguard.facts.settings import Settings
 
         patch = module.PATCH
@@ -385,9 +392,10 @@ EXERCISE = {
 def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand_ins, triton_cache):
     """Another tool (OpenTelemetry, ddtrace) wraps the target with wrapt before install and again after it:
     uninstall and re-install keep both of its layers in place, and they keep being called."""
+    module_path, name = name, name.rpartition(".")[2]
     import triton
 
-    patch = importlib.import_module(f"smemguard.patches.{name}").PATCH
+    patch = importlib.import_module(f"smemguard.patches.{module_path}").PATCH
     if patch.supported.package == "triton" and not patch.supported.admits(triton.__version__):
         pytest.skip(f"{name} needs Triton {patch.supported}; the installer does not apply it to {triton.__version__}")
     if name in SETTINGS:
@@ -398,7 +406,7 @@ def test_another_tools_layers_above_and_below_survive_and_are_called(name, stand
         sys.path.insert(0, {str(stand_ins)!r})
         import triton, wrapt
         from smemguard.engine.core import Engine
-        from smemguard.patches import {name} as module
+        import smemguard.patches.{module_path} as module
         from smemguard.facts.settings import Settings
 
         patch = module.PATCH

@@ -17,7 +17,7 @@ from smemguard.cli import commands
 from smemguard.store import decision_cache
 from smemguard.kernels import tuners
 from smemguard import preflight
-from smemguard.patches import jit_compile
+from smemguard.patches.triton_seams import jit_compile
 from smemguard.examples import attention_args, attention_fwd, attention_grid, matmul_args, matmul_kernel, tiled_grid
 from smemguard.preflight import ResultCache
 from smemguard.testing import fake_gpu

@@ -15,7 +15,7 @@ import replayed
 from conftest import ROOT, TESTS, records
 from kernels import autotuned, config, matmul_args, matmul_kernel
 from smemguard.testing import fake_gpu
-from smemguard.patches import kernel_warmup
+from smemguard.patches.triton_seams import kernel_warmup
 
 #: 128x128x64 fp16 tiles need 32768 B at one stage on sm_89: no stage count fits; 64x64x64 need 16384 B.
 SMALL = 30000

@@ -135,7 +135,7 @@ def test_a_process_is_guarded_from_its_triton_import_on_and_pays_nothing_before(
         before = any(name in sys.modules for name in ("smemguard", "wrapt", "importlib.abc", "importlib.resources"))
         import triton
         import smemguard
-        from smemguard.patches import kernel_interface
+        from smemguard.patches.triton_seams import kernel_interface
         print(before, smemguard.is_installed(), kernel_interface.PATCH.is_patched())
     """)
     status, out, err = finished(smemguard_run(sys.executable, program, **PIPES))

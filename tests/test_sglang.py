@@ -17,7 +17,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from smemguard.patches import sglang_extend_attention, sglang_prefill_attention
+from smemguard.patches.contrib import sglang_extend_attention, sglang_prefill_attention
 from smemguard.testing import fake_gpu
 
 from conftest import records

@@ -61,7 +61,7 @@ OBSERVER = '''
         now = {"event": event, "pid": os.getpid(), "argv": sys.argv[1:2], "title": title,
                "triton": "triton" in sys.modules, "installed": bool(guard and guard.is_installed())}
         for pack in PACKS:
-            module = sys.modules.get(f"smemguard.patches.{pack}")
+            module = sys.modules.get(f"smemguard.patches.contrib.{pack}")
             now[pack] = bool(module and module.PATCH.is_patched())
         if fake:
             now["launches"] = [[launch.kernel, launch.shared] for launch in fake[0][1].launches]

@@ -14,7 +14,7 @@ from triton.runtime.errors import OutOfResources
 
 import smemguard
 from smemguard.engine import recall
-from smemguard.patches import jit_compile
+from smemguard.patches.triton_seams import jit_compile
 from smemguard.testing import fake_gpu
 
 from conftest import records

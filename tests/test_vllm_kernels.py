@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("records_name_their_laun
 
 import smemguard  # noqa: E402
 from smemguard.kernels import registry  # noqa: E402
-from smemguard.patches import (  # noqa: E402
+from smemguard.patches.contrib import (  # noqa: E402
     deepgemm_metadata,
     vllm_batch_invariant,
     vllm_prefix_prefill,
@@ -229,7 +229,7 @@ def encode(module, head_size, dtype, seqs=2, seq_len=256, heads=4):
 def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recomputed(gpu, dtype, failing, block, as_gpu,
                                                                                    install_guard, incident_log,
                                                                                    triton_cache):
-    from smemguard.patches import vllm_prefill_attention
+    from smemguard.patches.contrib import vllm_prefill_attention
 
     module = importlib.import_module(vllm_prefill_attention.HOMES[0])
     as_gpu(gpu)
@@ -259,7 +259,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
 
 def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, install_guard, incident_log,
                                                                       triton_cache):
-    from smemguard.patches import vllm_prefill_attention
+    from smemguard.patches.contrib import vllm_prefill_attention
 
     module = importlib.import_module(vllm_prefill_attention.HOMES[0])
     as_gpu("T4")

@@ -28,7 +28,7 @@ import triton
 pytest.importorskip("vllm")
 
 from smemguard.engine import recovery  # noqa: E402
-from smemguard.patches import kernel_warmup  # noqa: E402
+from smemguard.patches.triton_seams import kernel_warmup  # noqa: E402
 from smemguard.testing import fake_gpu  # noqa: E402
 
 from conftest import records  # noqa: E402

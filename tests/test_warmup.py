@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from smemguard.patches import kernel_warmup
+from smemguard.patches.triton_seams import kernel_warmup
 from smemguard.testing import fake_gpu
 
 from conftest import records

@@ -9,7 +9,8 @@ on a GPU are a field suite now (``benchmarks/field_suites.py --suites lmdeploy``
 capability and the head size. For each GPU of the table, head sizes (q/k, v) and keys shared with values or not,
 one causal prefill of 256 tokens, 8 heads, fp16 is launched on ``smemguard.testing.fake_gpu`` (Triton compiles for
 that arch and limit, nothing executes), once in a process without smemguard and once in a process with
-``smemguard.install()`` (the default install, with the pack ``patches/lmdeploy_flash_attention``). Each process has a
+``smemguard.install()`` (the default install, with the pack ``patches/contrib/lmdeploy_flash_attention``). Each
+process has a
 Triton cache of its own. ``BLOCK_M`` is read from the launch's grid, ``(cdiv(256, BLOCK_M), 8, 1)``.
 
     python benchmarks/experiments/lmdeploy_prefill.py [--json PATH]

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from smemguard.patches import sglang_extend_attention  # noqa: E402
+from smemguard.patches.contrib import sglang_extend_attention  # noqa: E402
 
 GPU, CAPABILITY = "RTX5090", (12, 0)
 RELEASES = {"0.5.5": ROOT / ".field" / "sglang-0.5.5", "0.5.23": ROOT / ".field" / "sglang-0.5.23"}

@@ -19,7 +19,7 @@ import timeit
 
 import wrapt
 
-from smemguard.patches import vllm_unified_attention
+from smemguard.patches.contrib import vllm_unified_attention
 
 # unified_attention's positional arguments as the Triton backend passes them (values do not matter to a no-op)
 ARGS = tuple(range(9)) + (True, (-1, -1), 11, 0, None, None, None)

@@ -1,5 +1,5 @@
 """The compile-time core: a kernel that will not fit is compiled again with fewer stages before anything
-loads it (``patches/triton_compile``, on Triton's public ``triton.compile``).
+loads it (``patches/triton_seams/triton_compile``, on Triton's public ``triton.compile``).
 
 Every Triton kernel is compiled by ``triton.compile(src, target, options)``: plain launches, autotuners
 and library tuners, warm-ups, Inductor's templates, pointwise and user kernels. The compiled kernel's
@@ -27,7 +27,8 @@ Rules, and why:
   chosen for its fewer-stage variant's time launches exactly what was timed. (Counted as failed, an
   overflowing config could only lose a faster kernel that fits; timing its variant raises nothing.) The next
   process's benchmark times the stored
-  fitting variant (``patches/jit_compile`` compiles it directly), so it chooses as the first did; a config the
+  fitting variant (``patches/triton_seams/jit_compile`` compiles it directly), so it chooses as the first did; a
+  config the
   decision cache stores as switched away from is still refused before compiling there.
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
   compile variants that must be measured as they are: the core stands aside while one runs, and so does
@@ -37,7 +38,8 @@ Rules, and why:
   stage already, or a source that is not a Triton function) is returned as compiled, for the launch
   guard to decide (other configs, alternatives, fallbacks).
 
-Before Triton compiles a variant at a JIT cache miss (``patches/jit_compile``), :func:`remembered_compile` says
+Before Triton compiles a variant at a JIT cache miss (``patches/triton_seams/jit_compile``),
+:func:`remembered_compile` says
 what the decision cache holds of it: the fewer-stage (or fewer-warp) options to compile instead, or the
 ``OutOfResources`` it would raise, raised before compiling it (checked as :mod:`smemguard.engine.recall` checks an
 entry). Both are the engine at Triton's compile, so they live here together.
@@ -47,7 +49,7 @@ An operator's pins apply at the same seam, before Triton compiles (:mod:`smemgua
 
 One incident record per case (``phase: "compile"``, ``launched_as: "triton.compile"``), counted in the
 metrics, and a ``compile`` decision keyed as the launch guard keys it: the next process's JIT compiles
-the fitting variant first (``patches/jit_compile``), and this one compiles it from the store when Triton
+the fitting variant first (``patches/triton_seams/jit_compile``), and this one compiles it from the store when Triton
 has no ``_do_compile`` (3.4) or the caller is not the JIT (Inductor). At most ``stages - 1`` compiles, one
 or two when the bytes per stage are linear (the usual case), none from a stored decision but the variant's.
 """

@@ -1,5 +1,5 @@
 """FlexAttention tiles that can fit, chosen before Inductor renders its templates (the seam:
-:mod:`smemguard.patches.inductor_flex_configs`, which says why there).
+:mod:`smemguard.patches.torch_seams.inductor_flex_configs`, which says why there).
 
 Each config Inductor's table returns is bounded from below by what one stage of its tiles holds in shared
 memory: the query and one key/value tile for the forward, ``(BLOCK_M + BLOCK_N) x D`` elements, and the four tiles

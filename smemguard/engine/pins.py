@@ -1,8 +1,10 @@
-"""Pins applied where every kernel is compiled: at ``triton.compile`` (``patches/triton_compile``), before Triton
+"""Pins applied where every kernel is compiled: at ``triton.compile`` (``patches/triton_seams/triton_compile``),
+before Triton
 compiles, the options an operator pinned for the kernel on this GPU (:mod:`smemguard.facts.pins`) replace the ones
 asked for.
 
-Why there and not at the JIT's cache miss (``patches/jit_compile``, where stored decisions apply): a pin must be
+Why there and not at the JIT's cache miss (``patches/triton_seams/jit_compile``, where stored decisions apply): a pin
+must be
 refused when its variant does not fit, and only the compile seam holds both the compiled kernel and Triton's own
 compile to compile again as asked; at the JIT's miss, an overflowing pinned variant would pass the core and be
 fitted to fewer stages still (and under Triton's ``AsyncCompileMode`` the miss gets a future, no kernel). The seam

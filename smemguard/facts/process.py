@@ -155,7 +155,8 @@ def effective_limit(device: int) -> int:
 
 class _Launching(threading.local):
     #: ``(launched, grid, args, kwargs, warmup)`` of the ``kernel[grid](...)`` launch or ``kernel.warmup(...)``
-    #: (``warmup`` true) the seam is running on this thread (``patches/kernel_interface``, ``patches/kernel_warmup``
+    #: (``warmup`` true) the seam is running on this thread (``patches/triton_seams/kernel_interface``,
+    #: ``patches/triton_seams/kernel_warmup``
     #: set it), None outside one.
     #: A plain tuple in a thread-local: set and restored on every launch, so it must cost no more than that.
     current: tuple | None = None
@@ -216,17 +217,17 @@ class ThreadValue:
 
 
 class TimedChoice(NamedTuple):
-    """A choice Inductor's max-autotune compiles or times (``patches/inductor_autotune``)."""
+    """A choice Inductor's max-autotune compiles or times (``patches/torch_seams/inductor_autotune``)."""
 
     shape_class: tuple  # its inputs' and output's dtypes, sizes and strides
 
 
 #: What an autotuner is timing on this thread: the ``triton.Config`` of ``Autotuner._bench``
-#: (``patches/autotuner_bench``) or Inductor's :class:`TimedChoice`; None outside a benchmark.
+#: (``patches/triton_seams/autotuner_bench``) or Inductor's :class:`TimedChoice`; None outside a benchmark.
 benchmarking = ThreadValue()
 
 #: Set while smemguard reads what the device itself reports (:func:`own_device_properties`): the emulated view
-#: of the device (``patches/torch_device_properties``) stands aside.
+#: of the device (``patches/torch_seams/torch_device_properties``) stands aside.
 device_as_is = ThreadFlag()
 
 
@@ -252,8 +253,9 @@ class ProcessFlag(ThreadFlag):
 
 
 #: Set while smemguard's own engine compiles variants to measure them (the ladder on its pool of threads,
-#: Inductor recovery, warm-up decisions, a stored config switch): the compile seams (``patches/triton_compile``,
-#: ``patches/jit_compile``) hand Triton's result on without asking the engine.
+#: Inductor recovery, warm-up decisions, a stored config switch): the compile seams
+#: (``patches/triton_seams/triton_compile``,
+#: ``patches/triton_seams/jit_compile``) hand Triton's result on without asking the engine.
 engine_compiling = ProcessFlag()
 
 

@@ -38,13 +38,14 @@ CACHE_DIR = "SMEMGUARD_CACHE_DIR"
 #: process of the host adds its incidents to. Unset: metrics live in the process only.
 METRICS_FILE = "SMEMGUARD_METRICS_FILE"
 
-#: Patch modules to leave off, comma-separated, by the names ``smemguard.patches.MODULES`` lists
+#: Patch modules to leave off, comma-separated, by the names ``smemguard.patches.NAMES`` lists
 #: (``kernel_warmup,flaggems``): for an operator who suspects one patch. The rest still apply.
 DISABLE = "SMEMGUARD_DISABLE"
 
 #: ``0`` (or off, false, no): under ``SMEMGUARD_MAX_SHARED``, torch's device properties stay the device's own.
-#: Default on: they report the emulated GPU (``patches/torch_device_properties``), as vLLM's own shared-memory
-#: query does (``patches/vllm_shared_memory``), so that libraries sizing themselves from them choose what they
+#: Default on: they report the emulated GPU (``patches/torch_seams/torch_device_properties``), as vLLM's own
+#: shared-memory
+#: query does (``patches/contrib/vllm_shared_memory``), so that libraries sizing themselves from them choose what they
 #: would choose there.
 EMULATE_PROPERTIES = "SMEMGUARD_EMULATE_PROPERTIES"
 

@@ -16,7 +16,7 @@ work before the failing one. Two kinds are understood:
   caches it.
 
 Triton's ``Heuristics`` is handled by recovery itself. Libraries' layers are described by
-their patch module (:mod:`smemguard.patches.flaggems`), registered when the library is imported.
+their patch module (:mod:`smemguard.patches.contrib.flaggems`), registered when the library is imported.
 
 A subclass of Triton's ``Autotuner`` that overrides ``run`` (fla's ``CachedAutotuner``, which
 loads a config tuned elsewhere into ``cache`` and then calls ``Autotuner.run``) is read like

@@ -1,7 +1,9 @@
 """One module per patched target, all with one contract, listed once in :data:`MODULES`.
 
-Each module defines ``PATCH``, a :class:`Patch` (or a class built on it: :class:`~._tile_choice.TileChoice`,
-:class:`~._declared_wrappers.DeclaredWrappers`): the contract as data (what it patches, the modules whose
+The modules sit in a folder per kind of target (``triton_seams``, ``torch_seams``, ``contrib``: different risk,
+different release cadence). Each defines ``PATCH``, a :class:`Patch` (or a class built on it:
+:class:`~.contrib._tile_choice.TileChoice`, :class:`~.contrib._declared_wrappers.DeclaredWrappers`): the contract as
+data (what it patches, the modules whose
 import applies it, the releases it was checked against, whether it is safe in observe mode, which settings
 want it, its layers) and one implementation of ``patch(engine)``, ``unpatch()`` and ``is_patched()`` for all
 of them. ``engine`` is the installed engine (:class:`Port` says what a patch may use of it; no patch imports
@@ -25,10 +27,13 @@ from typing import Any, Callable, Iterable, Protocol
 
 import wrapt
 
+from .. import _moved
 from ..facts.process import Notes
 from ..facts.versions import Supported
 
 log = logging.getLogger(__name__)
+
+_moved.add_finder(__path__)  # the patch modules' paths before they moved into folders (smemguard._moved.MOVED)
 
 #: The Triton releases smemguard was read and tested against as a whole; a Triton patch may
 #: declare a narrower ``supported`` (it is then skipped outside it, the rest still applies).
@@ -36,31 +41,35 @@ TRITON = Supported("triton", (3, 4), (3, 9), label="Triton")
 #: The Triton releases every Triton patch was read against, unless it says otherwise.
 TRITON_CHECKED = ("3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0")
 
-#: Every patch module, in the order they are applied (and removed in reverse).
+#: Every patch module, in the order they are applied (and removed in reverse), in the folder of its kind:
+#: ``triton_seams`` (Triton's own functions, on every launch's path), ``torch_seams`` (torch's and Inductor's),
+#: ``contrib`` (a library's pack). A patch is named by its module's own name (``SMEMGUARD_DISABLE``, records).
 MODULES = (
-    "max_shared_mem",
-    "torch_device_properties",
-    "autotuner_bench",
-    "jit_compile",
-    "triton_compile",
-    "kernel_interface",
-    "kernel_warmup",
-    "vllm_batch_invariant",
-    "deepgemm_metadata",
-    "flaggems",
-    "vllm_unified_attention",
-    "vllm_prefill_attention",
-    "vllm_prefix_prefill",
-    "vllm_shared_memory",
-    "sglang_extend_attention",
-    "sglang_prefill_attention",
-    "lmdeploy_flash_attention",
-    "inductor_static_launcher",
-    "inductor_launchers",
-    "inductor_autotune",
-    "inductor_flex_configs",
-    "inductor_cache_key",
+    "triton_seams.max_shared_mem",
+    "torch_seams.torch_device_properties",
+    "triton_seams.autotuner_bench",
+    "triton_seams.jit_compile",
+    "triton_seams.triton_compile",
+    "triton_seams.kernel_interface",
+    "triton_seams.kernel_warmup",
+    "contrib.vllm_batch_invariant",
+    "contrib.deepgemm_metadata",
+    "contrib.flaggems",
+    "contrib.vllm_unified_attention",
+    "contrib.vllm_prefill_attention",
+    "contrib.vllm_prefix_prefill",
+    "contrib.vllm_shared_memory",
+    "contrib.sglang_extend_attention",
+    "contrib.sglang_prefill_attention",
+    "contrib.lmdeploy_flash_attention",
+    "torch_seams.inductor_static_launcher",
+    "torch_seams.inductor_launchers",
+    "torch_seams.inductor_autotune",
+    "torch_seams.inductor_flex_configs",
+    "torch_seams.inductor_cache_key",
 )
+#: The patches' names, as ``SMEMGUARD_DISABLE`` and ``smemguard versions`` spell them.
+NAMES = tuple(module.rpartition(".")[2] for module in MODULES)
 
 
 class Port(Protocol):
@@ -337,8 +346,9 @@ class Registration:
             self._unregister(kernels.pop())
 
 
-def patch_of(module_name: str) -> Patch:
-    return importlib.import_module(f"{__name__}.{module_name}").PATCH
+def patch_of(module: str) -> Patch:
+    """The ``PATCH`` of ``module`` (as :data:`MODULES` lists it: ``"triton_seams.kernel_interface"``)."""
+    return importlib.import_module(f"{__name__}.{module}").PATCH
 
 
 def all_patches() -> tuple[Patch, ...]:

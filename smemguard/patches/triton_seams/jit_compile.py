@@ -30,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ..facts.versions import Supported
-from ..kernels.parameters import lowered_constexprs
-from . import Layer, Patch, wrapt_layer
+from ...facts.versions import Supported
+from ...kernels.parameters import lowered_constexprs
+from .. import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 

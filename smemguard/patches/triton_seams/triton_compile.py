@@ -22,7 +22,7 @@ compiled. Not applied in observe mode (it changes what runs).
 
 from __future__ import annotations
 
-from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
+from .. import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _compile_fitting(wrapped, instance, args, kwargs):

@@ -41,8 +41,8 @@ position); 0.17 reads the capability per call instead of once.
 
 from __future__ import annotations
 
-from ..facts.versions import Supported
-from . import Kernels
+from ...facts.versions import Supported
+from .. import Kernels
 from ._alternative_tiles import AlternativeTiles
 
 HOMES = ("lmdeploy.pytorch.kernels.cuda.flashattention",)

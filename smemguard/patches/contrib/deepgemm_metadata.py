@@ -58,12 +58,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..facts import process
-from ..facts.versions import Supported
-from ..kernels.recorded import describe_arg
-from ..store import incidents
-from ..store.decision import FALLBACK as FALLBACK_ACTION
-from . import Layer, Patch, wrapt_layer
+from ...facts import process
+from ...facts.versions import Supported
+from ...kernels.recorded import describe_arg
+from ...store import incidents
+from ...store.decision import FALLBACK as FALLBACK_ACTION
+from .. import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _remembered_schedule(wrapped, args, kwargs):
         refused = refusals.get(call.key)
         if call.indices is not None or refused is None or call.batch < refused[0]:
             return None
-        from ..fallbacks import paged_mqa_logits_metadata
+        from ...fallbacks import paged_mqa_logits_metadata
 
         return paged_mqa_logits_metadata(call.context_lens, call.block_size, call.slots, variant=refused[1])
     except Exception:  # bookkeeping only: DeepGEMM gets the call
@@ -196,7 +196,7 @@ def _fallback(wrapped, args, kwargs, error: RuntimeError):
             log.debug("smemguard: %s did not build for %d requests, which shared memory does not explain",
                       KERNEL, call.batch)
             return None
-        from ..fallbacks import paged_mqa_logits_metadata
+        from ...fallbacks import paged_mqa_logits_metadata
 
         started = time.perf_counter()
         schedule = paged_mqa_logits_metadata(call.context_lens, call.block_size, call.slots,

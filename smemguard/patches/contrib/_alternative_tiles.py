@@ -11,8 +11,8 @@ fit at any stage count.
 
 from __future__ import annotations
 
-from ..kernels import registry
-from . import Kernels, Patch, Registration
+from ...kernels import registry
+from .. import Kernels, Patch, Registration
 
 
 class AlternativeTiles(Patch):

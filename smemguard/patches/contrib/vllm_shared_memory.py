@@ -2,7 +2,8 @@
 
 Why: vLLM asks the device for its per-block limit through its C extension
 (``_C_cuda_utils.get_max_shared_memory_per_block_device_attribute``, cached by ``get_max_shared_memory_bytes``), not
-through torch's properties (``patches/torch_device_properties``) nor Triton's. Its Triton prefill attention shrinks
+through torch's properties (``patches/torch_seams/torch_device_properties``) nor Triton's. Its Triton prefill
+attention shrinks
 its tile to that limit before launching (0.34: ``_fit_block_to_shared_memory``), the LoRA fused-MoE and the
 batch-invariant matmul choose configs by it. Under an emulated L4 on an H100 they would choose the H100's, so an
 emulated run would neither show what vLLM does on the L4 nor fail where the L4 fails.
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 import sys
 
-from ..facts import process
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts import process
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 _MODULE = "vllm.utils.mem_utils"
 _FUNCTION = "get_max_shared_memory_bytes"

@@ -37,10 +37,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..facts import process
-from ..facts.versions import Supported
-from ..kernels import registry, tuners
-from . import Kernels, Patch, Registration
+from ...facts import process
+from ...facts.versions import Supported
+from ...kernels import registry, tuners
+from .. import Kernels, Patch, Registration
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,14 @@ def _kinds_for(module) -> list:
 
 
 def _host_tma_mm_fallback(a_desc, b_desc, c_desc, **_) -> None:
-    from ..fallbacks import cublas_mm
+    from ...fallbacks import cublas_mm
 
     # A descriptor's base is the operand itself, in either layout (FlagGems passes A_ROW_MAJOR apart).
     cublas_mm(a_desc.base, b_desc.base, c_desc.base)
 
 
 def _mm_fallback(A, B, C, **_) -> None:
-    from ..fallbacks import cublas_mm
+    from ...fallbacks import cublas_mm
 
     cublas_mm(A, B, C)
 

@@ -41,8 +41,8 @@ import logging
 import sys
 import time
 
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 

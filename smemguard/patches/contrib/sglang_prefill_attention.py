@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import inspect
 
-from ..engine.wrapper_tiles import tiles_at_launch
-from ..facts.versions import Supported
-from . import Kernels
+from ...engine.wrapper_tiles import tiles_at_launch
+from ...facts.versions import Supported
+from .. import Kernels
 from ._declared_wrappers import DeclaredWrappers
 
 #: Where SGLang's releases keep the kernel, newest first: 0.5.16 moved it out of ``sglang.srt``.

@@ -28,13 +28,13 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..facts import process
-from ..kernels.launch import Attempt
-from ..kernels import recorded
-from ..kernels.recorded import attempt_records
-from ..store import incidents
-from ..store.decision import TILES_REDUCED
-from . import Kernels, Layer, Patch
+from ...facts import process
+from ...kernels.launch import Attempt
+from ...kernels import recorded
+from ...kernels.recorded import attempt_records
+from ...store import incidents
+from ...store.decision import TILES_REDUCED
+from .. import Kernels, Layer, Patch
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 
-from ..facts import process
-from ..kernels import tuners
-from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
+from ...facts import process
+from ...kernels import tuners
+from .. import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 

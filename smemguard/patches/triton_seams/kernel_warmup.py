@@ -35,9 +35,9 @@ from __future__ import annotations
 import contextvars
 import functools
 
-from ..facts.process import launching
-from ..facts.versions import Supported
-from . import Layer, Patch, bound
+from ...facts.process import launching
+from ...facts.versions import Supported
+from .. import Layer, Patch, bound
 
 
 def _deciding_warmup(wrap_dtype, async_compile):

@@ -19,9 +19,9 @@ checked, ``TritonBenchmarkRequest.precompile(self)`` loads the benchmark module 
 
 from __future__ import annotations
 
-from ..facts import process
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts import process
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 _MODULE = "torch._inductor.autotune_process"
 

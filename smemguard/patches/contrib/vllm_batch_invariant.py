@@ -20,9 +20,9 @@ b_ptr, c_ptr, bias_ptr, M, N, K, ..., HAS_BIAS)``, the parameters the fallback t
 
 from __future__ import annotations
 
-from ..facts.versions import Supported
-from ..kernels import registry
-from . import Kernels, Patch, Registration
+from ...facts.versions import Supported
+from ...kernels import registry
+from .. import Kernels, Patch, Registration
 
 #: Where vLLM's releases keep the kernel, newest first: 0.29 moved it to ``determinism``.
 MODULES = ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant")
@@ -33,7 +33,7 @@ _FALLBACKS = Registration(registry.register_fallback, registry.unregister_fallba
 
 
 def _batch_invariant_fallback(a_ptr, b_ptr, c_ptr, bias_ptr=None, HAS_BIAS=False, **_):
-    from ..fallbacks import batch_invariant_mm
+    from ...fallbacks import batch_invariant_mm
 
     batch_invariant_mm(a_ptr, b_ptr, c_ptr, bias_ptr if HAS_BIAS else None)
 

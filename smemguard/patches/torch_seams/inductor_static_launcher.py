@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import sys
 
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 #: Where the static CUDA launcher lives: torch 2.11 and later, then 2.8 to 2.10.
 MODULES = ("torch._inductor.runtime.static_triton_launcher", "torch._inductor.runtime.static_cuda_launcher")

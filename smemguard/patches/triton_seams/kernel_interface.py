@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import functools
 
-from ..facts.process import launching
-from . import TRITON, TRITON_CHECKED, Layer, Patch, bound
+from ...facts.process import launching
+from .. import TRITON, TRITON_CHECKED, Layer, Patch, bound
 
 
 def _guarded_getitem(out_of_resources, triton_getitem):

@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import inspect
 
-from ..engine.wrapper_tiles import tile_choice
-from ..facts.versions import Supported
-from . import Kernels
+from ...engine.wrapper_tiles import tile_choice
+from ...facts.versions import Supported
+from .. import Kernels
 from ._declared_wrappers import DeclaredWrappers
 
 #: Where SGLang's releases keep the kernels, newest first: 0.5.16 moved them out of ``sglang.srt``.

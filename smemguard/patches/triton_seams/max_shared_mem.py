@@ -7,7 +7,8 @@ limit)`` there makes a big GPU raise Triton's own ``OutOfResources`` exactly whe
 one would, so the failures of an L4 reproduce on an H200.
 
 Only the limit Triton enforces changes here; what torch and vLLM report of the device follows in
-``patches/torch_device_properties`` and ``patches/vllm_shared_memory``. The emulated limit is noted on the
+``patches/torch_seams/torch_device_properties`` and ``patches/contrib/vllm_shared_memory``. The emulated limit is
+noted on the
 engine (:attr:`smemguard.facts.process.Notes.emulated_limit`), where its records read it.
 
 The same function, an ``lru_cache`` over the device index, in every release checked.
@@ -15,7 +16,7 @@ The same function, an ``lru_cache`` over the device index, in every release chec
 
 from __future__ import annotations
 
-from . import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
+from .. import TRITON, TRITON_CHECKED, Layer, Patch, wrapt_layer
 
 
 def _min_with_emulated(wrapped, instance, args, kwargs):

@@ -17,7 +17,7 @@ attention kernel used, which is why both must see the same value. The results eq
 larger tile's up to the order of floating-point additions in the softmax (not bitwise).
 The smallest tile is 16 (``tl.dot`` needs K >= 16), 32 for fp8 queries, as vLLM says.
 
-What it does (:mod:`smemguard.patches._tile_choice`, shared with ``vllm_prefill_attention``):
+What it does (:mod:`smemguard.patches.contrib._tile_choice`, shared with ``vllm_prefill_attention``):
 ``unified_attention`` gets a plain function layer (also where the Triton backend imported it by
 name): a ``try`` around the call, nothing else on a healthy call. When a call raises
 ``OutOfResources`` for shared memory from its first launch, ``kernel_unified_attention``, and that
@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..facts.versions import Supported
-from . import Kernels
+from ...facts.versions import Supported
+from .. import Kernels
 from ._tile_choice import TileChoice
 
 HOMES = ("vllm.v1.attention.ops.triton_unified_attention",)

@@ -23,9 +23,9 @@ import importlib
 import logging
 import sys
 
-from ..facts import process
-from ..facts.versions import Supported
-from . import Patch
+from ...facts import process
+from ...facts.versions import Supported
+from .. import Patch
 
 log = logging.getLogger(__name__)
 

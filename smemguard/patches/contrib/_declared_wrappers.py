@@ -17,8 +17,8 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable
 
-from ..engine.wrapper_tiles import rerun_on_overflow
-from . import Kernels, Layer, Patch
+from ...engine.wrapper_tiles import rerun_on_overflow
+from .. import Kernels, Layer, Patch
 
 
 class DeclaredWrappers(Patch):
@@ -75,7 +75,7 @@ def _taking(original, compute: str) -> Callable[..., Any]:
     signature = inspect.signature(inspect.unwrap(original))
 
     def fallback(*args, **kwargs):
-        from .. import fallbacks
+        from ... import fallbacks
 
         return getattr(fallbacks, compute)(**signature.bind(*args, **kwargs).arguments)
 

@@ -31,8 +31,8 @@ smemguard/patches/inductor_launchers.py).
 
 from __future__ import annotations
 
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 _OWN_RETRY = "dynamic_disable_pipelining"
 _ABSENT = object()

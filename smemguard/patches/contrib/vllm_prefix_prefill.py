@@ -33,8 +33,8 @@ V-cache addressing, which does not involve either tile.
 
 from __future__ import annotations
 
-from ..facts.versions import Supported
-from . import Kernels
+from ...facts.versions import Supported
+from .. import Kernels
 from ._alternative_tiles import AlternativeTiles
 
 HOMES = ("vllm.v1.attention.ops.prefix_prefill",)

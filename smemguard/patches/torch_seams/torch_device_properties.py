@@ -1,6 +1,7 @@
 """What torch says of the device, under an emulated GPU: wraps ``torch.cuda.get_device_properties``.
 
-Why: ``SMEMGUARD_MAX_SHARED`` lowers the limit Triton enforces (``patches/max_shared_mem``), but libraries size
+Why: ``SMEMGUARD_MAX_SHARED`` lowers the limit Triton enforces (``patches/triton_seams/max_shared_mem``), but
+libraries size
 themselves from torch's view of the device, read before any launch: SGLang's fused-MoE FP8 default takes a smaller
 tile where ``shared_memory_per_block_optin`` is under 128 KiB (0.5.14 and later), vLLM's FlexAttention backend and
 its bundled ``triton_kernels`` cap their blocks by it, other code keys tables by ``torch.cuda.get_device_name()``.
@@ -32,9 +33,9 @@ import re
 
 import wrapt
 
-from ..facts import gpus, process
-from ..facts.versions import Supported
-from . import Layer, Patch, wrapt_layer
+from ...facts import gpus, process
+from ...facts.versions import Supported
+from .. import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
 

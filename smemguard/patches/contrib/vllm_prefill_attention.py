@@ -18,7 +18,7 @@ element, so it covers the same keys for any ``BLOCK_M``/``BLOCK_N``. Results equ
 tile's up to the order of floating-point additions in the online softmax (not bitwise). Halved
 down to 16 (``tl.dot``): 64 fits head size 256 on sm_89/sm_120 (73728 B), 32 on sm_75 (65536 B).
 
-What it does (:mod:`smemguard.patches._tile_choice`, shared with ``vllm_unified_attention``):
+What it does (:mod:`smemguard.patches.contrib._tile_choice`, shared with ``vllm_unified_attention``):
 ``context_attention_fwd`` gets a plain function layer (also in the modules that imported it by
 name: the Triton and ROCm attention backends): a ``try`` around the call. When a call raises
 ``OutOfResources`` for shared memory from ``_fwd_kernel`` (its only launch) with the ``BLOCK_M`` the
@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..facts.versions import Supported
-from . import Kernels
+from ...facts.versions import Supported
+from .. import Kernels
 from ._tile_choice import TileChoice
 
 HOMES = ("vllm.v1.attention.ops.triton_prefill_attention",)
