@@ -1,8 +1,10 @@
 """SGLang 0.5.5's extend attention recovered by smemguard under an emulated RTX 5090, against SGLang 0.5.23's own sm_120
 tiles at the same shapes, on one GPU: is the recovered release within 5% of the one whose tiles were written for it?
 
-Answer so far (2026-12-07, CPU harness, ``--dry-run``, Triton 3.9.0): the tiles are the same. 0.5.5's 32x64 (106496 B)
-is recovered at 32x32 (71680 B), 0.5.23's own sm_120 choice, for all six shapes; the GPU timing is not made yet.
+Answer (2026-12-07): yes. The tiles are the same: 0.5.5's 32x64 (106496 B) is recovered at 32x32 (71680 B), 0.5.23's
+own sm_120 choice, for all six shapes (CPU harness, ``--dry-run``, Triton 3.9.0); and the time is: 0.987 to 1.009 of
+0.5.23's at each shape (H100 under RTX5090, Triton 3.6.0, torch 2.11.0+cu130;
+``results/2026-12-07-h100-session/sglang_extend_speed.json``).
 
 SGLang 0.5.5 gives sm_120 Hopper's tiles (its table predates PR #14311): at Kimi K2's and DeepSeek's absorbed MLA (Lq
 576, Lv 512) they need 106496 B, over the RTX 5090's 101376 B (ktransformers #1570), and smemguard's SGLang pack
