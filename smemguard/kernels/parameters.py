@@ -3,8 +3,8 @@
 A kernel may write its pipeline depth itself: ``for k in tl.range(0, n, num_stages=NUM_STAGES)``
 pipelines that loop with ``NUM_STAGES`` stages whatever the launch option says, so lowering the
 option alone changes no byte. :func:`knobs_of` reads the kernel's body and the bodies of the
-``@triton.jit`` functions it calls (resolved through the kernel's globals and closure, as Triton
-resolves them) and gives each parameter one role:
+``@triton.jit`` functions it calls (followed as :mod:`.source` follows calls: through the kernel's
+globals and closure, as Triton resolves them) and gives each parameter one role:
 
 * :data:`PIPELINE_DEPTH`: only ever a loop's ``num_stages=`` (possibly through a called jit
   function's parameter). Lowering it changes which loads are in flight, not the arithmetic: it
@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import ast
 import builtins
-import inspect
 import logging
-import textwrap
 from dataclasses import dataclass, field
-from typing import Any
+
+from .source import ByIdentity, Scope, is_jit
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +49,6 @@ OPTION_OF = {PIPELINE_DEPTH: "num_stages", WARP_COUNT: "num_warps"}
 
 #: Where ``tl.range(start, end, step, num_stages, ...)`` takes ``num_stages`` positionally.
 _RANGE_STAGES_POSITION = 3
-
-#: Called jit functions followed below a kernel; deeper chains are read as "cannot tell".
-MAX_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -141,28 +137,19 @@ def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-#: Knobs read so far, by the identity of the JIT function (kept alive with them, as a cache by key would):
-#: hashing a ``JITFunction`` computes its cache key, which fails on one Inductor unpickled from its FX graph
-#: cache (its hash lock is gone).
-_read_so_far: dict[int, tuple[Any, Knobs]] = {}
-_READ_SO_FAR_MAX = 1024
+#: Knobs read so far, one per JIT function.
+_read_so_far = ByIdentity(1024)
 
 
 def knobs_of(jit) -> Knobs:
     """The :class:`Knobs` of a JIT function; no roles when its source cannot be read. Read once per function."""
-    known = _read_so_far.get(id(jit))
-    if known is not None and known[0] is jit:
-        return known[1]
-    found = _knobs_of(jit)
-    if len(_read_so_far) >= _READ_SO_FAR_MAX:
-        _read_so_far.pop(next(iter(_read_so_far)), None)
-    _read_so_far[id(jit)] = (jit, found)
-    return found
+    return _read_so_far.get(jit, _knobs_of)
 
 
 def _knobs_of(jit) -> Knobs:
     try:
-        facts = _read(jit, 0)
+        kernel = Scope.of(jit)
+        facts = _read(kernel) if kernel is not None else None
     except Exception:  # an unreadable kernel is measured, never guessed about
         log.debug("smemguard: cannot read the parameters of %s", getattr(jit, "__name__", jit), exc_info=True)
         return Knobs()
@@ -198,7 +185,7 @@ class _Loop:
 
 @dataclass
 class _Facts:
-    params: list
+    params: tuple
     uses: dict  # parameter -> [use kinds]
     loops: list  # _Loop, in terms of this function's parameters
     complete: bool = True
@@ -212,38 +199,9 @@ def _role(uses: list) -> str:
     return kinds.pop() if len(kinds) == 1 and kinds <= {_DEPTH_USE, _WARP_USE} else OTHER
 
 
-def source_of(jit) -> tuple[str, int]:
-    """(the source Triton compiles for ``jit``, the file line it starts at). A library may replace the source of a
-    function it made from a template (triton_kernels' ``define_kernel``: ``JITFunction._unsafe_update_src``): then
-    ``jit.src`` is the kernel, and the function's own lines are the template's, lines of no file."""
-    lines, first_line = inspect.getsourcelines(jit.fn)
-    text = textwrap.dedent("".join(lines))
-    compiled = getattr(jit, "src", None)
-    if isinstance(compiled, str) and compiled.strip() not in text:
-        return compiled, 1
-    return text, first_line
-
-
-def parsed(jit) -> tuple[ast.FunctionDef, "Scope", list, int] | None:
-    """(the function Triton compiles for ``jit``, its scope, its parameters, the file line before its first), or None
-    when its source is no function. Raises what reading or parsing the source raises."""
-    text, first_line = source_of(jit)
-    function = ast.parse(text).body[0]
-    if not isinstance(function, ast.FunctionDef):
-        return None
-    params = [arg.arg for arg in function.args.args]
-    local_names = {*params, *(node.id for node in ast.walk(function) if isinstance(node, ast.Name)
-                              and isinstance(node.ctx, ast.Store))}
-    return function, Scope(jit.fn, frozenset(local_names)), params, first_line - 1
-
-
-def _read(jit, depth: int) -> _Facts | None:
-    found = parsed(jit)
-    if found is None:
-        return None
-    function, scope, params, line_offset = found
-    reader = _Reader(scope, params, line_offset, depth)
-    for statement in function.body:
+def _read(scope: Scope) -> _Facts:
+    reader = _Reader(scope)
+    for statement in scope.source.function.body:
         reader.visit(statement)
     return reader.facts
 
@@ -251,12 +209,11 @@ def _read(jit, depth: int) -> _Facts | None:
 class _Reader(ast.NodeVisitor):
     """One pass over a function body: every read of a parameter, every loop, every call."""
 
-    def __init__(self, scope: "Scope", params: list, line_offset: int, depth: int) -> None:
+    def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        self.name = getattr(scope.function, "__qualname__", "?")
-        self.line_offset = line_offset
-        self.depth = depth
-        self.facts = _Facts(params, {name: [] for name in params}, [])
+        self.name = scope.name
+        self.line_offset = scope.source.line_offset
+        self.facts = _Facts(scope.source.params, {name: [] for name in scope.source.params}, [])
         self.handled: set[int] = set()  # ids of Name nodes whose use a call or loop already classified
 
     def use(self, name: str, kind: str) -> None:
@@ -274,7 +231,7 @@ class _Reader(ast.NodeVisitor):
 
     def visit_For(self, node: ast.For) -> None:
         if isinstance(node.iter, ast.Call):
-            callee = resolve(node.iter.func, self.scope)
+            callee = self.scope.resolve(node.iter.func)
             if _is_triton_range(callee):
                 self.facts.loops.append(self.range_loop(node.iter))
             elif callee is builtins.range:
@@ -295,7 +252,7 @@ class _Reader(ast.NodeVisitor):
         return _Loop(_FIXED, ast.unparse(stages), self.name, line)
 
     def visit_Call(self, node: ast.Call) -> None:
-        callee = resolve(node.func, self.scope)
+        callee = self.scope.resolve(node.func)
         for sizing in block_shape_arguments(callee, node):
             self.facts.shapes |= self.parameters_in(sizing)
         if is_jit(callee):
@@ -315,13 +272,13 @@ class _Reader(ast.NodeVisitor):
 
     def call_jit(self, node: ast.Call, callee) -> None:
         """What the callee does with each parameter of ours passed to it, and its loops in our terms."""
-        facts = _read(callee, self.depth + 1) if self.depth < MAX_DEPTH else None
-        if facts is None:
+        entered = self.scope.enter(callee, node)
+        if entered is None:
             self.facts.complete = False
             return
+        facts = _read(entered)
         self.facts.complete &= facts.complete
-        passed: dict[str, ast.expr] = dict(zip(facts.params, node.args))
-        passed.update((k.arg, k.value) for k in node.keywords if k.arg in facts.params)
+        passed = entered.passed
         roles = {name: _role(facts.uses.get(name, [])) for name in facts.params}
         for name in facts.shapes & passed.keys():
             self.facts.shapes |= self.parameters_in(passed[name])
@@ -332,7 +289,7 @@ class _Reader(ast.NodeVisitor):
                     self.use(value.id, _role_for(name))
                 elif roles[name] != UNUSED:
                     self.use(value.id, roles[name] if roles[name] in (_DEPTH_USE, _WARP_USE) else _OTHER_USE)
-        defaults = _defaults(callee)
+        defaults = entered.defaults
         for loop in facts.loops:
             if loop.kind != _PARAMETER:
                 self.facts.loops.append(loop)
@@ -343,36 +300,6 @@ class _Reader(ast.NodeVisitor):
             else:
                 text = ast.unparse(value) if value is not None else repr(defaults.get(loop.detail))
                 self.facts.loops.append(_Loop(_FIXED, text, loop.function, loop.line))
-
-
-def _defaults(jit) -> dict:
-    return {param.name: param.default for param in getattr(jit, "params", ()) if getattr(param, "has_default", False)}
-
-
-@dataclass(frozen=True)
-class Scope:
-    """A jit function's Python function and the names its body binds itself (parameters, assignments,
-    loop variables): those shadow globals and builtins (``input.to(...)`` is a tensor's method)."""
-
-    function: object
-    local_names: frozenset
-
-
-def resolve(node: ast.expr, scope: Scope):
-    """The object a name or attribute chain in a body stands for, as Triton resolves it (closure,
-    then globals, then builtins); None when it is a local value, not a global object."""
-    if isinstance(node, ast.Attribute):
-        base = resolve(node.value, scope)
-        return getattr(base, node.attr, None) if base is not None else None
-    if not isinstance(node, ast.Name) or node.id in scope.local_names:
-        return None
-    fn = scope.function
-    closure = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in (fn.__closure__ or ()))))
-    if node.id in closure:
-        return closure[node.id]
-    if node.id in fn.__globals__:
-        return fn.__globals__[node.id]
-    return getattr(builtins, node.id, None)
 
 
 #: Triton's functions that take a block's shape: the positions and keyword of the arguments that give it (None: every
@@ -392,12 +319,6 @@ def block_shape_arguments(callee, call: ast.Call) -> list:
     positions, keyword = _BLOCK_SHAPES[name]
     found = list(call.args) if positions is None else [call.args[i] for i in positions if i < len(call.args)]
     return found + [item.value for item in call.keywords if item.arg == keyword]
-
-
-def is_jit(obj) -> bool:
-    from triton.runtime.jit import JITFunction
-
-    return isinstance(obj, JITFunction)
 
 
 def _is_triton_range(obj) -> bool:
@@ -421,4 +342,4 @@ def _is_method_of_a_value(func: ast.expr, scope: Scope) -> bool:
         return False
     while isinstance(func, ast.Attribute):
         func = func.value
-    return not isinstance(func, ast.Name) or resolve(func, scope) is None
+    return not isinstance(func, ast.Name) or scope.resolve(func) is None

@@ -3,7 +3,7 @@
 A smaller tile computes the same result only where every element a tile reaches past the data is masked: a
 ``tl.load``/``tl.store`` (or atomic) whose address is built from a ``tl.arange`` over a tile, or a block pointer
 whose block shape is the tile, must carry ``mask=`` or ``boundary_check=``. :func:`unmasked` reads the kernel's body
-and the ``@triton.jit`` functions it calls (resolved as Triton resolves them, :mod:`smemguard.kernels.parameters`)
+and the ``@triton.jit`` functions it calls (resolved as Triton resolves them, :mod:`smemguard.kernels.source`)
 and lists each access that carries neither, with the parameters whose blocks index it. The reading leans to
 "unmasked": a value computed from an indexed one is indexed (through assignments, calls and a callee's return),
 both branches of an ``if`` count unless its test reads only a callee's parameter given a literal (or left to its
@@ -18,7 +18,8 @@ import ast
 import logging
 from dataclasses import dataclass, field
 
-from .parameters import MAX_DEPTH, block_shape_arguments, is_jit, parsed, resolve
+from .parameters import block_shape_arguments
+from .source import Scope, is_jit
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ class Access:
 
 @dataclass
 class _Facts:
-    params: list
     unmasked: list = field(default_factory=list)  # (function, line, dependencies)
     returns: set = field(default_factory=set)  # what the function's return values depend on
 
@@ -57,7 +57,8 @@ def unmasked(jit) -> tuple[Access, ...] | None:
     """Every load and store of ``jit`` that a block of its parameters indexes and no mask covers; None when its
     source cannot be read."""
     try:
-        facts = _read(jit, 0)
+        kernel = Scope.of(jit)
+        facts = _read(kernel, {}) if kernel is not None else None
     except Exception:  # an unreadable kernel proves nothing
         log.debug("smemguard: cannot read the loads and stores of %s", getattr(jit, "__name__", jit), exc_info=True)
         return None
@@ -71,13 +72,9 @@ def unmasked(jit) -> tuple[Access, ...] | None:
     return tuple(Access(function, line, tiles) for (function, line), tiles in sorted(found.items()))
 
 
-def _read(jit, depth: int, constants: dict | None = None) -> _Facts | None:
-    found = parsed(jit)
-    if found is None:
-        return None
-    function, scope, params, line_offset = found
-    reader = _Reader(scope, params, line_offset, depth, constants or {})
-    for statement in function.body:
+def _read(scope: Scope, constants: dict) -> _Facts:
+    reader = _Reader(scope, constants)
+    for statement in scope.source.function.body:
         reader.visit(statement)
     return reader.facts
 
@@ -129,12 +126,13 @@ def _masked(call: ast.Call, kind: str) -> bool:
 class _Reader(ast.NodeVisitor):
     """One pass over a function body: what each local value depends on, and every access no mask covers."""
 
-    def __init__(self, scope, params: list, line_offset: int, depth: int, constants: dict) -> None:
-        self.scope, self.line_offset, self.depth, self.constants = scope, line_offset, depth, constants
-        self.name = getattr(scope.function, "__qualname__", "?")
-        self.values: dict[str, set] = {name: {(_PASSED, name)} for name in params}
-        self.facts = _Facts(params)
-        self.callees: dict[tuple, _Facts | None] = {}
+    def __init__(self, scope: Scope, constants: dict) -> None:
+        self.scope, self.constants = scope, constants
+        self.line_offset = scope.source.line_offset
+        self.name = scope.name
+        self.values: dict[str, set] = {name: {(_PASSED, name)} for name in scope.source.params}
+        self.facts = _Facts()
+        self.callees: dict[tuple, _Facts] = {}
 
     # -- values -----------------------------------------------------------------------------------
 
@@ -150,12 +148,15 @@ class _Reader(ast.NodeVisitor):
 
     def call_value(self, call: ast.Call) -> set:
         """What a call's value depends on beyond its arguments: the blocks it sizes, or a jit callee's return."""
-        callee = resolve(call.func, self.scope)
+        callee = self.scope.resolve(call.func)
         sizing = block_shape_arguments(callee, call)
         if sizing:
             return {(_INDEXED, name) for argument in sizing for _, name in self.dependencies(argument)}
-        facts = self.callee(callee, call) if is_jit(callee) else None
-        return self.mapped(facts.returns, self.passed(facts, call)) if facts is not None else set()
+        read = self.callee(callee, call) if is_jit(callee) else None
+        if read is None:
+            return set()
+        facts, passed = read
+        return self.mapped(facts.returns, passed)
 
     def bind(self, target: ast.expr, dependencies: set) -> None:
         for node in ast.walk(target):
@@ -215,7 +216,7 @@ class _Reader(ast.NodeVisitor):
     # -- accesses ---------------------------------------------------------------------------------
 
     def visit_Call(self, node: ast.Call) -> None:
-        callee = resolve(node.func, self.scope)
+        callee = self.scope.resolve(node.func)
         kind = _access_kind(callee)
         line = self.line_offset + node.lineno
         if kind is not None and not _masked(node, kind):
@@ -223,49 +224,43 @@ class _Reader(ast.NodeVisitor):
             if pointer is not None:
                 self.facts.unmasked.append((self.name, line, self.dependencies(pointer)))
         elif is_jit(callee):
-            facts = self.callee(callee, node)
-            if facts is None:  # unread: whatever it is passed may be accessed unmasked
+            read = self.callee(callee, node)
+            if read is None:  # unread: whatever it is passed may be accessed unmasked
                 passed = [*node.args, *(keyword.value for keyword in node.keywords)]
                 self.facts.unmasked.append((getattr(callee, "__name__", "?"), line,
                                             set().union(*map(self.dependencies, passed)) if passed else set()))
             else:
-                passed = self.passed(facts, node)
+                facts, passed = read
                 for function, callee_line, dependencies in facts.unmasked:
                     self.facts.unmasked.append((function, callee_line, self.mapped(dependencies, passed)))
         self.generic_visit(node)
 
     # -- jit callees ------------------------------------------------------------------------------
 
-    def callee(self, jit, call: ast.Call) -> _Facts | None:
-        """What a jit callee does with what ``call`` passes it (its branches on the literals given, or left to their
-        defaults, taken as they are)."""
-        constants = {param.name: param.default for param in getattr(jit, "params", ())
-                     if getattr(param, "has_default", False) and _hashable_literal(param.default)}
-        names = [param.name for param in getattr(jit, "params", ())]
-        given = {**dict(zip(names, call.args)), **{keyword.arg: keyword.value for keyword in call.keywords}}
-        for name, value in given.items():
+    def callee(self, jit, call: ast.Call) -> tuple[_Facts, dict] | None:
+        """What a jit callee does with what ``call`` passes it, and what it passes by parameter; None when the callee
+        cannot be read (or is not followed, :meth:`Scope.enter`)."""
+        try:
+            entered = self.scope.enter(jit, call)
+            facts = self.read(entered) if entered is not None else None
+        except Exception:
+            log.debug("smemguard: cannot read %s", getattr(jit, "__name__", jit), exc_info=True)
+            return None
+        return (facts, entered.passed) if facts is not None else None
+
+    def read(self, callee: Scope) -> _Facts:
+        """The facts of a callee, its branches on the literals its call gives (or leaves to their defaults) taken as
+        they are: read once per literals."""
+        constants = {name: value for name, value in callee.defaults.items() if _hashable_literal(value)}
+        for name, value in callee.passed.items():
             constants.pop(name, None)
             literal = _literal(value)
             if literal is not _NOT_LITERAL:
                 constants[name] = literal
-        key = (id(jit), tuple(sorted(constants.items())))
+        key = (id(callee.jit), tuple(sorted(constants.items())))
         if key not in self.callees:
-            facts = None
-            if self.depth < MAX_DEPTH:
-                try:
-                    facts = _read(jit, self.depth + 1, constants)
-                except Exception:
-                    log.debug("smemguard: cannot read %s", getattr(jit, "__name__", jit), exc_info=True)
-            self.callees[key] = facts
+            self.callees[key] = _read(callee, constants)
         return self.callees[key]
-
-    @staticmethod
-    def passed(facts: _Facts, call: ast.Call) -> dict:
-        """The callee's parameters and the expressions this call gives them (a parameter left to its default:
-        absent, a constant)."""
-        given = dict(zip(facts.params, call.args))
-        given.update((keyword.arg, keyword.value) for keyword in call.keywords if keyword.arg in facts.params)
-        return given
 
     def mapped(self, dependencies: set, passed: dict) -> set:
         """A callee's dependencies, on its parameters, as this function's: what it passed for them."""

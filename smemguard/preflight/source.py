@@ -3,7 +3,8 @@ innermost stride of a tensor (1 in a launch on contiguous tensors, which Triton 
 
 A pointer expression is a sum of a pointer and offsets, ``a_ptr + rm[:, None] * sam + rk[None, :] * sak``;
 the walk follows it through local variables, ``+=`` updates, and the ``@triton.jit`` functions the
-kernel calls (their parameters bound to what the caller passed, their return values expanded). An
+kernel calls (followed as :mod:`smemguard.kernels.source` follows calls: their parameters bound to what the
+caller passed; their return values expanded). An
 offset term is a *stride* term when it multiplies an integer parameter by a vector offset (one made
 of ``tl.arange`` or broadcast with ``[:, None]``), a *unit* term when it is a vector offset alone (that
 axis needs no stride argument).
@@ -20,95 +21,62 @@ not an argument); a scalar access (no vector offset) is not vectorized and tells
 from __future__ import annotations
 
 import ast
-import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from functools import cached_property
+from typing import Iterator
+
+from ..kernels.source import Scope, parsed
 
 #: Calls whose first argument (or ``pointer=``/``base=``) is a pointer expression.
 POINTER_CALLS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min",
                  "atomic_and", "atomic_or", "atomic_xor", "make_block_ptr", "make_tensor_descriptor"}
 
-#: How deep the walk follows calls into other ``@triton.jit`` functions.
-MAX_CALL_DEPTH = 8
-
 Axis = tuple[int, int]  # (position, rank) of a broadcast offset: rk[None, :] is (1, 2)
 
 
-@dataclass(eq=False)
-class _Scope:
-    """One JIT function's source as the kernel reaches it: the kernel itself (``passed`` None) or a
-    function it calls, each parameter bound to the caller's argument (in the caller's scope)."""
+class _Scope(Scope):
+    """A JIT function as the kernel reaches it (:class:`smemguard.kernels.source.Scope`), with the values its
+    names are given and the values it returns."""
 
-    jit: Any
-    tree: ast.AST
-    passed: dict[str, tuple[ast.AST, "_Scope"]] | None
-    depth: int
-    chain: tuple[int, ...]  # ids of the JIT functions from the kernel down to this one
-    parsed: dict[int, ast.AST]  # source trees by id(JIT function), shared by one walk
-    definitions: dict[str, list[ast.AST]] = field(default_factory=dict)  # x = v and x += v: x -> [v, ...]
-    returns: list[ast.AST] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for node in ast.walk(self.tree):
+    @cached_property
+    def definitions(self) -> dict[str, list[ast.AST]]:
+        """x = v and x += v: x -> [v, ...]."""
+        found: dict[str, list[ast.AST]] = {}
+        for node in self.source.nodes():
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name):
-                        self.definitions.setdefault(target.id, []).append(node.value)
+                        found.setdefault(target.id, []).append(node.value)
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-                self.definitions.setdefault(node.target.id, []).append(node.value)
+                found.setdefault(node.target.id, []).append(node.value)
             elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 # x += v adds the term v to what x holds; x *= v makes x a product
                 additive = isinstance(node.op, (ast.Add, ast.Sub))
                 value = node.value if additive else ast.BinOp(ast.Name(node.target.id, ast.Load()), node.op, node.value)
-                self.definitions.setdefault(node.target.id, []).append(value)
-            elif isinstance(node, ast.Return) and node.value is not None:
-                self.returns.append(node.value)
+                found.setdefault(node.target.id, []).append(value)
+        return found
+
+    @cached_property
+    def returns(self) -> list[ast.AST]:
+        return [node.value for node in self.source.nodes() if isinstance(node, ast.Return) and node.value is not None]
 
     def is_kernel_parameter(self, name: str) -> bool:
-        return self.passed is None and name in self.jit.arg_names
+        return self.caller is None and name in self.jit.arg_names
 
     def meanings(self, name: str) -> list[tuple[ast.AST, "_Scope"]]:
         """What ``name`` stands for: the caller's argument for a parameter, and every value assigned to it."""
-        found = [self.passed[name]] if self.passed is not None and name in self.passed else []
+        found = [(self.passed[name], self.caller)] if name in self.passed else []
         return found + [(value, self) for value in self.definitions.get(name, ())]
-
-    def callee(self, call: ast.Call) -> "_Scope | None":
-        """The scope of a ``@triton.jit`` function ``call`` calls, its parameters bound to the arguments."""
-        from triton.runtime.jit import JITFunction
-
-        if self.depth >= MAX_CALL_DEPTH:
-            return None
-        path, node = [], call.func
-        while isinstance(node, ast.Attribute):
-            path.insert(0, node.attr)
-            node = node.value
-        if not isinstance(node, ast.Name) or node.id in self.definitions or node.id in self.jit.arg_names:
-            return None
-        target = getattr(self.jit.fn, "__globals__", {}).get(node.id)
-        for attribute in path:
-            target = getattr(target, attribute, None)
-        if not isinstance(target, JITFunction) or id(target) in self.chain:
-            return None
-        passed = {name: (value, self) for name, value in zip(target.arg_names, call.args)}
-        passed.update((kw.arg, (kw.value, self)) for kw in call.keywords if kw.arg in target.arg_names)
-        return _Scope(target, _parse(target, self.parsed), passed, self.depth + 1, (*self.chain, id(target)),
-                      self.parsed)
-
-
-def _parse(jit, parsed: dict[int, ast.AST]) -> ast.AST:
-    if id(jit) not in parsed:
-        parsed[id(jit)] = ast.parse(textwrap.dedent(jit.src))
-    return parsed[id(jit)]
 
 
 def returns_a_value(jit) -> bool:
     """Whether the body of ``jit`` (not of functions defined in it) returns a value; False when its source
     cannot be read (then its compile says what it is)."""
     try:
-        tree = _parse(jit, {})
+        source = parsed(jit)
     except Exception:
         return False
-    pending = list(tree.body[0].body) if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    pending = list(source.function.body) if source is not None else []
     while pending:
         node = pending.pop()
         if isinstance(node, ast.Return) and node.value is not None:
@@ -122,10 +90,11 @@ def calls(jit) -> set[str]:
     """The names of the functions ``jit``'s source calls (``helper(...)``, ``module.helper(...)``); empty when its
     source cannot be read."""
     try:
-        tree = _parse(jit, {})
+        source = parsed(jit)
     except Exception:
         return set()
-    return {_called_name(node) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    nodes = source.nodes() if source is not None else ()
+    return {_called_name(node) for node in nodes if isinstance(node, ast.Call)}
 
 
 def _called_name(call: ast.Call) -> str:
@@ -134,20 +103,12 @@ def _called_name(call: ast.Call) -> str:
 
 def _scopes(jit) -> Iterator[_Scope]:
     """The kernel's scope and those of every ``@triton.jit`` function it calls, at each call site."""
-    parsed: dict[int, ast.AST] = {}
-    pending = [_Scope(jit, _parse(jit, parsed), None, 0, (id(jit),), parsed)]
-    while pending:
-        scope = pending.pop()
-        yield scope
-        for node in ast.walk(scope.tree):
-            if isinstance(node, ast.Call):
-                callee = scope.callee(node)
-                if callee is not None:
-                    pending.append(callee)
+    kernel = _Scope.of(jit)
+    return kernel.reached() if kernel is not None else iter(())
 
 
 def _pointer_expressions(scope: _Scope) -> Iterator[ast.AST]:
-    for node in ast.walk(scope.tree):
+    for node in scope.source.nodes():
         if isinstance(node, ast.Call) and _called_name(node) in POINTER_CALLS:
             yield from node.args[:1]
             yield from (kw.value for kw in node.keywords if kw.arg in ("pointer", "base"))
@@ -263,7 +224,7 @@ def pointer_parameters(jit) -> set[str]:
         for expression in _pointer_expressions(scope):
             found.update(term.node.id for term in _summands(expression, scope, None, set())
                          if isinstance(term.node, ast.Name) and term.scope.is_kernel_parameter(term.node.id))
-        found.update(_parameter_behind(node.value, scope) or "" for node in ast.walk(scope.tree)
+        found.update(_parameter_behind(node.value, scope) or "" for node in scope.source.nodes()
                      if isinstance(node, ast.Attribute) and node.attr in ("dtype", "type"))
     return found & set(jit.arg_names)
 
@@ -300,7 +261,7 @@ def unit_strides(jit, pointers: set[str], integers: set[str]) -> UnitStrides:
     for scope in _scopes(jit):
         for expression in _pointer_expressions(scope):
             _judge_expression(expression, scope, pointers, integers, order, found)
-        for node in ast.walk(scope.tree):
+        for node in scope.source.nodes():
             if isinstance(node, ast.Call) and _called_name(node) in ("make_block_ptr", "make_tensor_descriptor"):
                 _judge_descriptor(node, scope, integers, found)
     found.by_order -= found.sure
