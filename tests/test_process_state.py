@@ -33,7 +33,7 @@ PROCESS_STATE = {
 #: The call in progress on a thread (restored when it returns), never memory across calls.
 THREAD_SCOPED = {
     "facts/process.py": {"launching", "benchmarking", "device_as_is", "engine_compiling"},
-    "engine/compile_fit.py": {"compiling_as_asked"},
+    "engine/recall.py": {"compiling_as_asked"},
     "engine/wrapper_tiles.py": {"_running"},
 }
 

@@ -32,17 +32,16 @@ Rules, and why:
   decision cache stores as switched away from is still refused before compiling there.
 * **smemguard's own searches** (the launch guard's ladder, Inductor recovery, warm-up decisions)
   compile variants that must be measured as they are: the core stands aside while one runs, and so does
-  :func:`remembered_compile` (the compile seams test the engine's ``compiling``,
+  :func:`smemguard.engine.recall.remembered_compile` (the compile seams test the engine's ``compiling``,
   :data:`smemguard.facts.process.engine_compiling`, process-wide, since the ladder compiles on a pool).
 * **What stages cannot fix** (a kernel with no loop to pipeline, a loop with its own fixed depth, one
   stage already, or a source that is not a Triton function) is returned as compiled, for the launch
   guard to decide (other configs, alternatives, fallbacks).
 
-Before Triton compiles a variant at a JIT cache miss (``patches/triton_seams/jit_compile``),
-:func:`remembered_compile` says
-what the decision cache holds of it: the fewer-stage (or fewer-warp) options to compile instead, or the
-``OutOfResources`` it would raise, raised before compiling it (checked as :mod:`smemguard.engine.recall` checks an
-entry). Both are the engine at Triton's compile, so they live here together.
+Before Triton compiles a variant at a JIT cache miss (``patches/triton_seams/jit_compile``), what the decision cache
+holds of it (the fewer-stage or fewer-warp options to compile instead, or the ``OutOfResources`` it would raise,
+raised before compiling it) is :func:`smemguard.engine.recall.remembered_compile`'s: the one place a stored decision
+is read and checked, whatever the path.
 
 An operator's pins apply at the same seam, before Triton compiles (:mod:`smemguard.engine.pins`, which uses
 :func:`compile_arguments`, :func:`loading_device` and :func:`compile_description` of this module).
@@ -56,113 +55,21 @@ or two when the bytes per stage are linear (the usual case), none from a stored 
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import time
-from pathlib import Path
 
 from ..facts import process
 from ..kernels import introspect, recorded, variants
 from ..store import decision_cache, incidents
-from ..store.decision import AUTOTUNE_SKIPPED, CONFIG_CHANGED, SHARED, STAGES_REDUCED
+from ..store.decision import AUTOTUNE_SKIPPED, SHARED, STAGES_REDUCED
+from . import recall
 from .candidates import FewerStages
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
 
 LAUNCHED_AS = "triton.compile"
-
-
-#: Threads per block no GPU exceeds.
-MAX_THREADS = 1024
-
-
-def options_problem(options: dict, stages: int, warps: int, warp_size: int) -> str | None:
-    """Why stored ``options`` cannot replace a variant compiled with ``stages`` and ``warps``, or None."""
-    most_warps = min(warps, MAX_THREADS // warp_size)
-    if options.get("num_stages", stages) > stages:
-        return f"num_stages {options['num_stages']} is more than the {stages} of the variant it replaces"
-    if not decision_cache.power_of_two(options.get("num_warps", warps), most_warps):
-        return f"num_warps {options['num_warps']} is not a power of two from 1 to {most_warps}"
-    return None
-
-
-def ignored(key: str, why: str) -> None:
-    process.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (%s): recovering as if "
-                      "nothing were stored", key, why)
-
-
-def remembered_compile(jit, source, device: int, options, directory: Path | None, *, launching: bool) -> dict | None:
-    """What the decision cache says of the variant Triton is about to compile from ``source`` (its
-    ``ASTSource``) with ``options`` (Triton's parsed options; compile-time patch).
-
-    Option overrides to compile instead (fewer stages or warps), None when nothing applies: inside the autotuner's
-    benchmark too, which times each config as the kernel that will run, as the core fits it there (the first
-    process timed the fitting variant; refusing it in the next would make its autotuner choose otherwise). Raises
-    the ``OutOfResources`` the variant would raise at its launch, without compiling it, where the
-    variant is stored as overflowing at any stage count and compiling it gains nothing: inside the autotuner's
-    benchmark (which must see it fail, and does) and, when ``launching``, for a variant whose tuner
-    switches to another config (:func:`smemguard.engine.recall.switch` applies it at the launch guard). Never while
-    :data:`compiling_as_asked`.
-    """
-    store = decision_cache.store(directory)
-    if store is None or compiling_as_asked or not (store.holds("compile") or store.holds("launch")):
-        return None
-    variant = variants.variant_id(source, options.__dict__)
-    key = decision_cache.case_id(variants.device_case(jit, variant, device))
-    table, entry = next(((table, entry) for table in ("compile", "launch")
-                         if (entry := store.get(table, key)) is not None), (None, None))
-    if entry is None:
-        return None
-    benchmarking = bool(process.benchmarking)
-    if table == "compile":
-        why = options_problem(entry["options"], options.num_stages, options.num_warps,
-                              getattr(options, "warp_size", 32))
-        if why is not None:
-            ignored(key, why)
-            return None
-        return dict(entry["options"])
-    if (benchmarking or (launching and entry["action"] == CONFIG_CHANGED)) and entry.get("resource") == SHARED\
-            and isinstance(entry.get("required"), int):
-        raise _refused(key, entry)
-    return None
-
-
-#: Set while every variant is compiled as asked, none refused before compiling
-#: (:func:`smemguard.engine.recovery.handle`).
-compiling_as_asked = process.ThreadFlag()
-
-
-@functools.cache
-def _refusal_type() -> type:
-    """Triton's ``OutOfResources`` (what callers catch) for a variant refused before compiling, naming the stored
-    entry that refused it. Made at first use: smemguard imports Triton only once it handles something."""
-    from triton.runtime.errors import OutOfResources
-
-    class RefusedBeforeCompiling(OutOfResources):
-        def __init__(self, key: str, entry: dict):
-            super().__init__(entry["required"], entry["limit"], SHARED)
-            self.stored = (key, entry)
-
-        def __reduce__(self):  # pickled (a tuner sent to a worker), it is Triton's own error: nothing of ours to find
-            return OutOfResources, (self.required, self.limit, self.name)
-
-    return RefusedBeforeCompiling
-
-
-def _refused(key: str, entry: dict):
-    """Triton's own error for a variant that needs ``entry["required"]`` bytes, refused for ``entry``."""
-    error = _refusal_type()(key, entry)
-    incidents.add_note(error, f"smemguard: refused before compiling: the decision cache ({decision_cache.FILE_NAME}, "
-                       f"entry {key}, decided on {entry.get('gpu', '?')}) says this variant needs {entry['required']} "
-                       f"B here; compiling it would raise this error at its launch")
-    return error
-
-
-def stored(error) -> tuple[str, dict] | None:
-    """(key, entry) when ``error`` was raised by :func:`remembered_compile` for a config switch, else None."""
-    return error.stored if isinstance(error, _refusal_type()) else None
 
 
 def fit(engine, compile_fn, args: tuple, kwargs: dict, kernel):
@@ -267,7 +174,7 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
     with steps.required("key the variant"):
         case = _case(jit, kernel, device)
     with steps.skippable("read the decision cache"):
-        stored = _stored_stages(case, stages, kernel, settings)
+        stored = recall.stored_stages(settings.cache_dir, case[0], stages, kernel)
     attempts = []
 
     def compile_at(count: int):
@@ -323,21 +230,6 @@ def _fewer_stages(compile_at, stages: int, required: int, limit: int):
 def _case(jit, kernel, device: int) -> tuple[str, dict]:
     case = variants.device_case(jit, variants.compiled_variant_id(kernel), device)
     return decision_cache.case_id(case), case
-
-
-def _stored_stages(case, stages: int, kernel, settings) -> int | None:
-    store = decision_cache.store(settings.cache_dir)
-    if store is None or not store.holds("compile"):
-        return None
-    key, _ = case
-    entry = store.get("compile", key)
-    if entry is None:
-        return None
-    why = options_problem(entry["options"], stages, kernel.metadata.num_warps,
-                                 getattr(kernel.metadata, "warp_size", 32))
-    if why is not None or "num_warps" in entry["options"]:  # warps are the launch guard's to lower
-        return None
-    return entry["options"].get("num_stages")
 
 
 def _store(case, kernel, count: int, overflow, settings) -> None:

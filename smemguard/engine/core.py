@@ -80,11 +80,11 @@ class Engine:
 
     def remembered_compile(self, jit, source, device, options, *, launching: bool):
         """Option overrides remembered for the variant Triton is about to compile, or its stored refusal."""
-        from . import compile_fit
+        from . import recall
 
         if self.closed:
             return None
-        return compile_fit.remembered_compile(jit, source, device, options, self.settings.cache_dir,
+        return recall.remembered_compile(jit, source, device, options, self.settings.cache_dir,
                                               launching=launching)
 
     def on_warmup(self, kernel, grid, args, kwargs, compiled):

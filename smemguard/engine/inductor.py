@@ -47,6 +47,7 @@ from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents
 from ..store.decision import AUTOTUNE_SKIPPED, BLOCKS_REDUCED, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED
+from . import recall
 from .candidates import MAX_CANDIDATES, fewer_warps, variant
 from .steps import Steps
 
@@ -240,15 +241,15 @@ def load_remembered(autotuner, settings) -> None:
     with DeviceGuard(autotuner.get_device_interface(), device):
         for index, result in enumerate(list(autotuner.compile_results)):
             key = decision_cache.case_id(_case(autotuner, result.config, device))
-            entry = store.get("inductor", key)
+            found = recall.stored_entry(settings.cache_dir, ("inductor",), key)
+            entry = found[1] if found is not None else None
             if entry is not None:
                 with steps.required("reload the kernel's function"):
                     _with_live_function(autotuner)
             candidate = entry and _stored_variant(autotuner, result.config, entry)
             if entry is not None and candidate is None:
-                process.warn_once(log, ("ignored decision", key), "smemguard: ignoring stored decision %s (not a "
-                                  "variant recovery could produce from %s here)", key,
-                                  introspect.config_text(result.config))
+                recall.ignored(key, f"not a variant recovery could produce from {introspect.config_text(result.config)}"
+                               " here")
             if candidate is None:
                 continue
             found = trial.load(candidate, with_launcher=False)

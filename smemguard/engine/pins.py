@@ -31,7 +31,7 @@ from ..facts import gpus, pins, process
 from ..kernels import introspect
 from ..store import decision_cache, incidents
 from ..store.decision import PINNED, SHARED
-from . import compile_fit
+from . import compile_fit, recall
 from .steps import Steps
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def pinned_compile(engine, compile_fn, args: tuple, kwargs: dict):
     changes = {option: value for option, value in pin.options().items() if value < getattr(asked, option)}
     if not changes:  # it asks for as few: compiled as asked
         return None
-    why = compile_fit.options_problem(changes, asked.num_stages, asked.num_warps, getattr(asked, "warp_size", 32))
+    why = recall.options_problem(changes, asked.num_stages, asked.num_warps, getattr(asked, "warp_size", 32))
     try:
         constants = lowered_constexprs(jit, source.constants, changes) if why is None else None
     except OptionIsAParameter as error:

@@ -33,7 +33,7 @@ from ..kernels.launch import Launch, check, overflow, replace_in_jit_cache, reso
 from ..kernels.recorded import described_args
 from ..store import decision_cache, incidents
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
-from . import compile_fit, ladder, recall, records
+from . import ladder, recall, records
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def handle(engine, launched, grid, args, kwargs, error, again):
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
     saved work, the recovered launch. ``engine``: the install's, whose decisions are one per failing kernel."""
-    stored = compile_fit.stored(error)
+    stored = recall.stored(error)
     if stored is not None:
         return _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored)
     started = time.perf_counter()
@@ -212,7 +212,7 @@ def handle(engine, launched, grid, args, kwargs, error, again):
 
 def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
-    another config (:func:`smemguard.engine.compile_fit.remembered_compile`). Applied here with one compile, the
+    another config (:func:`smemguard.engine.recall.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
     or a step of it fails, the launch runs again as asked, compiling the variant, and a failure of
     that is recovered like any other."""
@@ -232,7 +232,7 @@ def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored
     if decision is not None:
         return with_config(launch, decision.config).relaunch()
     try:
-        with compile_fit.compiling_as_asked.scope():
+        with recall.compiling_as_asked.scope():
             return again()
     except OutOfResources as real:
         real_error = real

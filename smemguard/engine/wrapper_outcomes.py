@@ -17,7 +17,7 @@ from ..kernels.launch import Attempt
 from ..kernels.recorded import attempt_records
 from ..store import decision_cache, incidents, tile_entries
 from ..store.decision import FALLBACK, RERAISED, SHARED, TILES_REDUCED
-from . import compile_fit
+from . import recall
 from .steps import Steps
 
 #: The decision cache's table of the tiles declared wrappers learnt.
@@ -185,17 +185,14 @@ def recall_tiles(settings, case: dict, answered: tuple, smallest: int) -> tuple 
     """The tiles the decision cache holds for ``case`` (:func:`tile_case`), or None; stored tiles that recovery
     could not have produced from the tiles the wrapper ``answered`` are ignored, with one warning. Raises when the
     cache cannot be read."""
-    store = decision_cache.store(settings.cache_dir)
-    if store is None or not store.holds(TABLE):
-        return None
     key = decision_cache.case_id(case)
-    entry = store.get(TABLE, key)
-    if entry is None:
+    found = recall.stored_entry(settings.cache_dir, (TABLE,), key)
+    if found is None:
         return None
-    tiles = tile_entries.stored(entry)
+    tiles = tile_entries.stored(found[1])
     why = tile_entries.not_a_halving(answered, tiles, smallest)
     if why is not None:
-        compile_fit.ignored(key, why)
+        recall.ignored(key, why)
         return None
     return tiles
 

@@ -5,7 +5,7 @@ compiled variant overflows this GPU, compiling it first is wasted seconds and a 
 ``_do_compile`` runs only on a JIT cache miss, with the key the variant will be cached under, what
 it compiles (signature, constants, attributes) and Triton's parsed options; the wrapper keys the
 variant as recovery does (:func:`smemguard.kernels.variants.variant_id`) and asks the decision cache
-(``engine.remembered_compile``, :func:`smemguard.engine.compile_fit.remembered_compile`):
+(``engine.remembered_compile``, :func:`smemguard.engine.recall.remembered_compile`):
 
 * fewer stages (or warps) fit: the remembered options are swapped in, and the kernel's
   pipeline-depth parameters lowered with them (:mod:`smemguard.kernels.parameters`), so the replacement is
