@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import smemguard
+from smemguard.facts.install import Notes
 from smemguard.store import incidents, metrics
 from smemguard.cli import rebuild, replay, report
 from smemguard.store import record_fields
@@ -145,7 +146,7 @@ def test_a_source_writes_the_fields_declared_as_its_own(source):
 @pytest.mark.parametrize("device", [None, 0], ids=["deepgemm", "triton"])
 @pytest.mark.parametrize("unverified", [[], ["kernel_interface (triton 9.9.0)"]], ids=["verified", "unverified"])
 def test_every_record_carries_the_common_fields_declared(monkeypatch, device, unverified):
-    notes = incidents.process.Notes()
+    notes = Notes()
     if unverified:
         notes.note_patch("kernel_interface", "triton", "9.9.0", verified=False)
     monkeypatch.setattr(incidents.process, "notes", lambda: notes)

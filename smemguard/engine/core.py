@@ -12,41 +12,13 @@ it put into Triton's JIT caches are forgotten, so the next launch compiles what 
 from __future__ import annotations
 
 import logging
-import threading
 
 from ..facts import process
+from ..facts.install import Memory, Notes
 from ..facts.settings import Settings
 from .steps import Steps
 
 log = logging.getLogger(__name__)
-
-
-class Memory:
-    """What the patches of one install decided and what declared wrappers learnt, one table each (the launch
-    guard's decisions are :attr:`Engine.decided`), all forgotten when the engine closes."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self._tables: dict[str, dict] = {}
-
-    def table(self, name: str) -> dict:
-        """The table ``name``, made at its first use (``setdefault`` is atomic: no lock for a reader that only
-        looks); change it, or read it whole, under :attr:`lock`."""
-        return self._tables.setdefault(name, {})
-
-    def first(self, table: str, key) -> bool:
-        """True the first time ``key`` is seen in ``table`` by this install (what is recorded once per case)."""
-        with self.lock:
-            seen = self.table(table)
-            if key in seen:
-                return False
-            seen[key] = True
-            return True
-
-    def clear(self) -> None:
-        with self.lock:
-            for table in self._tables.values():
-                table.clear()
 
 
 class Engine:
@@ -58,7 +30,7 @@ class Engine:
         self.settings = settings
         self.decided = Decided()
         self.memory = Memory()
-        self.notes = process.Notes()
+        self.notes = Notes()
         self.compiling = process.engine_compiling
         self.closed = False
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..facts import process
+from ..facts.install import Notes
 from . import introspect, parameters, registry, tuners
 
 #: Exceptions that mean smemguard built a candidate wrongly (a bad argument binding, a missing
@@ -368,7 +369,7 @@ def _compiled(entry):
     return entry.kernel if future_kernel is not None and isinstance(entry, future_kernel) else entry
 
 
-def replace_in_jit_cache(launch: Launch, failing, replacement, notes: process.Notes) -> None:
+def replace_in_jit_cache(launch: Launch, failing, replacement, notes: Notes) -> None:
     """Put ``replacement`` under every key whose kernel is a compile of ``failing``, each noted in ``notes`` (the
     install's: its uninstall takes them out again)."""
     device = process.current_device()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts import process
+from ..facts.install import Notes
 from . import introspect
 from .launch import Launch, describe, resolve
 
@@ -112,9 +113,9 @@ def in_progress(jit) -> tuple[Launch | None, bool]:
         return None, False
 
 
-def failed_launch_fields(error, notes: process.Notes) -> dict:
+def failed_launch_fields(error, notes: Notes) -> dict:
     """The record's fields of the launch that raised ``error``, as the launch guard noted it in ``notes`` (the
-    install's :class:`~smemguard.facts.process.Notes`), for a wrapper that chose its tiles again; {} for an error no
+    install's :class:`~smemguard.facts.install.Notes`), for a wrapper that chose its tiles again; {} for an error no
     guarded launch raised. The failing kernel is the one in the JIT cache (looked up, not compiled again)."""
     noted = notes.failed_launch(error)
     if noted is None:

@@ -23,12 +23,14 @@ import importlib
 import logging
 import sys
 from types import ModuleType
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import wrapt
 
 from .. import _moved
-from ..facts.process import Notes
+from ..facts.install import Memory, Notes
+from ..facts.process import ProcessFlag
+from ..facts.settings import Settings
 from ..facts.versions import Supported
 
 log = logging.getLogger(__name__)
@@ -72,26 +74,35 @@ MODULES = (
 NAMES = tuple(module.rpartition(".")[2] for module in MODULES)
 
 
+class StepGuard(Protocol):
+    """The guard around a patch's own steps in handling one failure (:class:`smemguard.engine.steps.Steps`): an
+    error inside ``with guard.skippable(name):`` is logged once and skipped (the record names it in ``failed``)."""
+
+    failed: list[str]
+
+    def skippable(self, step: str) -> ContextManager[None]:
+        """A step whose failure the handling survives."""
+
+
 class Port(Protocol):
     """What a patch may use of the installed engine (:class:`smemguard.engine.core.Engine`). None of its entry
     points raises an error of smemguard's own."""
 
-    #: the settings the guard was installed with (a :class:`smemguard.facts.settings.Settings`)
-    settings: Any
-    #: what the patches of this install decided, a table per patch (:class:`smemguard.engine.core.Memory`:
-    #: ``memory.table(name)``, changed under ``memory.lock``), forgotten when the engine closes
-    memory: Any
+    #: the settings the guard was installed with
+    settings: Settings
+    #: what the patches of this install decided, a table per patch (``memory.table(name)``, changed under
+    #: ``memory.lock``), forgotten when the engine closes
+    memory: Memory
     #: what the seams of this install noted for the engine: the emulated limit, autotuner timings, failed launches,
-    #: kernels put into Triton's JIT caches (:class:`smemguard.facts.process.Notes`)
+    #: kernels put into Triton's JIT caches
     notes: Notes
     #: true while the engine compiles variants of its own (the ladder's candidates on its pool of threads, warm-up
     #: and torch.compile recoveries, the core's fewer-stage compiles), which it measures as they are: the compile
     #: seams then hand Triton's result on without asking the engine (a process-wide flag: test it, never call it)
-    compiling: Any
+    compiling: ProcessFlag
 
-    def steps(self, subject: str) -> Any:
-        """The guard around a patch's own steps in handling one failure of ``subject``
-        (:class:`smemguard.engine.steps.Steps`: ``with steps.skippable(name):``, ``steps.failed`` for the record)."""
+    def steps(self, subject: str) -> StepGuard:
+        """The guard around a patch's own steps in handling one failure of ``subject``."""
 
     def on_out_of_resources(self, kernel, grid, args: tuple, kwargs: dict, error, again: Callable[[], Any]) -> Any:
         """What the failed launch ``kernel[grid](*args, **kwargs)`` returns once recovered, or raises ``error``;

@@ -9,7 +9,7 @@ one would, so the failures of an L4 reproduce on an H200.
 Only the limit Triton enforces changes here; what torch and vLLM report of the device follows in
 ``patches/torch_seams/torch_device_properties`` and ``patches/contrib/vllm_shared_memory``. The emulated limit is
 noted on the
-engine (:attr:`smemguard.facts.process.Notes.emulated_limit`), where its records read it.
+engine (:attr:`smemguard.facts.install.Notes.emulated_limit`), where its records read it.
 
 The same function, an ``lru_cache`` over the device index, in every release checked.
 """
