@@ -143,7 +143,8 @@ _read_so_far = ByIdentity(1024)
 
 def knobs_of(jit) -> Knobs:
     """The :class:`Knobs` of a JIT function; no roles when its source cannot be read. Read once per function."""
-    return _read_so_far.get(jit, _knobs_of)
+    kept, knobs = _read_so_far.get(jit)
+    return knobs if kept else _read_so_far.keep(jit, _knobs_of(jit))
 
 
 def _knobs_of(jit) -> Knobs:

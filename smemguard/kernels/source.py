@@ -20,7 +20,7 @@ import textwrap
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 #: Called jit functions followed below a kernel; a deeper call is read as one that cannot be followed.
 MAX_DEPTH = 8
@@ -36,16 +36,18 @@ class ByIdentity:
         self._size = size
         self._entries: dict[int, tuple[Any, Any]] = {}
 
-    def get(self, obj, compute: Callable[[Any], Any]):
-        """``compute(obj)``, computed once while its entry lives; what it raises is not kept."""
+    def get(self, obj) -> tuple[bool, Any]:
+        """(whether a value is kept for ``obj``, the value)."""
         known = self._entries.get(id(obj))
-        if known is not None and known[0] is obj:
-            return known[1]
-        found = compute(obj)
+        return (True, known[1]) if known is not None and known[0] is obj else (False, None)
+
+    def keep(self, obj, value):
+        """Keep ``value`` for ``obj``; returns it. (The caller computes it: no callback, so that no module's code
+        runs below this one's on the stack.)"""
         if len(self._entries) >= self._size:
             self._entries.pop(next(iter(self._entries)), None)
-        self._entries[id(obj)] = (obj, found)
-        return found
+        self._entries[id(obj)] = (obj, value)
+        return value
 
 
 def source_of(jit) -> tuple[str, int]:
@@ -103,7 +105,8 @@ _parsed_so_far = ByIdentity(1024)
 def parsed(jit) -> Source | None:
     """The parsed source of ``jit``, None when it is no function; read once per JIT function. Raises what reading or
     parsing the source raises."""
-    return _parsed_so_far.get(jit, _parse)
+    kept, source = _parsed_so_far.get(jit)
+    return source if kept else _parsed_so_far.keep(jit, _parse(jit))
 
 
 def _parse(jit) -> Source | None:
