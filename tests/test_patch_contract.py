@@ -188,8 +188,10 @@ def stand_ins(tmp_path_factory):
 def test_the_registry_lists_every_patch_module_once():
     import pkgutil
 
-    folders = [info.name for info in pkgutil.iter_modules(patches.__path__)]
-    assert sorted(folders) == ["contrib", "torch_seams", "triton_seams"], "patches/ holds its folders and nothing else"
+    found_here = {info.name: info.ispkg for info in pkgutil.iter_modules(patches.__path__)}
+    folders = sorted(name for name, folder in found_here.items() if folder)
+    assert folders == ["contrib", "torch_seams", "triton_seams"] and set(found_here) - set(folders) == {"layers"}, \
+        "patches/ holds the contract, the layer mechanism and the folders of patch modules"
     found = {f"{folder}.{info.name}" for folder in folders
              for info in pkgutil.iter_modules([str(Path(patches.__file__).parent / folder)])
              if not info.name.startswith("_")}
