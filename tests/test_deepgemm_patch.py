@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import engine, records, run_python
+from smemguard.engine import deepgemm
 from smemguard.facts import process
 from smemguard.fallbacks import paged_mqa_logits_metadata
 from smemguard.patches.contrib import deepgemm_metadata as patch_module
@@ -107,7 +108,7 @@ def standin(tmp_path, monkeypatch):
     for name, value in (("vllm", vllm_package), ("vllm.utils", types.ModuleType("vllm.utils")),
                         (patch_module.TARGET_MODULE, module), ("standin_indexer", caller)):
         monkeypatch.setitem(sys.modules, name, value)
-    monkeypatch.setattr(patch_module, "_arch_major", lambda device: 9)  # CPU tensors stand for an H100's
+    monkeypatch.setattr(deepgemm, "_arch_major", lambda device: 9)  # CPU tensors stand for an H100's
     monkeypatch.setattr(process, "_warned", set())
     module.original = module.get_paged_mqa_logits_metadata
     module.caller = caller
@@ -297,22 +298,22 @@ def test_checking_and_removing_never_import_vllm():
 ])
 def test_installed_scheduler_from_headers(tmp_path, relative, text, arch, next_n, block, expected):
     write_header(tmp_path, relative, text)
-    found = patch_module.installed_scheduler(tmp_path / "include" / "deep_gemm", arch, next_n, block)
+    found = deepgemm.installed_scheduler(tmp_path / "include" / "deep_gemm", arch, next_n, block)
     assert (found and (found.variant, found.static_arrays)) == expected
 
 
 def test_installed_scheduler_on_blackwell_reads_the_sm100_kernel(tmp_path):
     write_header(tmp_path, "scheduler/sm90_paged_mqa_logits.cuh", DYNAMIC_REVERSED)
     include = tmp_path / "include" / "deep_gemm"
-    assert patch_module.installed_scheduler(include, 10, 2, 64) is None  # no SM100 header: unsure
+    assert deepgemm.installed_scheduler(include, 10, 2, 64) is None  # no SM100 header: unsure
     write_header(tmp_path, "scheduler/sm100_paged_mqa_logits.cuh", TOKEN_WEIGHTED)
-    assert patch_module.installed_scheduler(include, 10, 2, 64).variant == "sm100"
-    assert patch_module.installed_scheduler(include, 9, 2, 64).variant == "current"
+    assert deepgemm.installed_scheduler(include, 10, 2, 64).variant == "sm100"
+    assert deepgemm.installed_scheduler(include, 9, 2, 64).variant == "current"
 
 
 def test_sm100_assertion_uses_the_sm100_schedule(standin, incident_log, monkeypatch):
     write_header(standin.deep_gemm_dir, "scheduler/sm100_paged_mqa_logits.cuh", TOKEN_WEIGHTED)
-    monkeypatch.setattr(patch_module, "_arch_major", lambda device: 10)
+    monkeypatch.setattr(deepgemm, "_arch_major", lambda device: 10)
     patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     standin.refusal = RuntimeError(SM100_HOST_ASSERTION)
     result = standin.get_paged_mqa_logits_metadata(lens(30_000, 2), 64, 148)
@@ -367,7 +368,7 @@ def test_real_vllm_wrapper_refusal_becomes_the_torch_schedule(real_vllm, inciden
 
     monkeypatch.setattr(real_vllm, "_get_paged_mqa_logits_metadata_impl", refuse)
     monkeypatch.setattr(real_vllm, "_import_deep_gemm", lambda: deep_gemm)
-    monkeypatch.setattr(patch_module, "_arch_major", lambda device: 9)
+    monkeypatch.setattr(deepgemm, "_arch_major", lambda device: 9)
     patch_module.PATCH.patch(engine(Settings(log_path=incident_log)))
     result = real_vllm.get_paged_mqa_logits_metadata(lens(65_536, 2), 64, 132)
     assert torch.equal(result, paged_mqa_logits_metadata(lens(65_536, 2), 64, 132))

@@ -28,7 +28,7 @@ SOURCES = {
     record_fields.FLEX: "engine/flex.py",
     record_fields.PATCHED_WRAPPER: "patches/contrib/_tile_choice.py",
     record_fields.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
-    record_fields.DEEPGEMM: "patches/contrib/deepgemm_metadata.py",
+    record_fields.DEEPGEMM: "engine/deepgemm.py",
 }
 COMMON = (record_fields.EVERY, record_fields.WHILE_UNVERIFIED, record_fields.TRITON)
 

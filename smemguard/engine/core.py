@@ -130,6 +130,32 @@ class Engine:
             return flex.offer_fitting(self, kind, configs, head_dim, dtype, started, steps)
         return configs
 
+    def deepgemm_remembered(self, call_of):
+        """DeepGEMM's paged-MQA schedule computed in torch when DeepGEMM refused this case before with a batch no
+        larger (:mod:`.deepgemm`); None: call DeepGEMM (closed, nothing refused, or smemguard's own error)."""
+        from . import deepgemm
+
+        if self.closed:
+            return None
+        try:
+            return deepgemm.remembered(self, call_of)
+        except Exception:  # bookkeeping only: DeepGEMM gets the call
+            log.debug("smemguard: could not reuse the DeepGEMM schedule decision", exc_info=True)
+            return None
+
+    def on_deepgemm_refusal(self, call_of, deep_gemm_of, error):
+        """The schedule in torch when DeepGEMM's ``error`` is a refusal of the batch for shared memory; None: the
+        error stands (not such a refusal, no schedule smemguard reproduces exactly, or smemguard's own error)."""
+        from . import deepgemm
+
+        if self.closed:
+            return None
+        try:
+            return deepgemm.on_refusal(self, call_of, deep_gemm_of, error)
+        except Exception:  # our own failure must not replace DeepGEMM's error
+            log.debug("smemguard: no DeepGEMM schedule fallback", exc_info=True)
+            return None
+
     def holds_tiles(self) -> bool:
         """Whether the decision cache holds tiles some wrapper learnt (False when it cannot be read)."""
         from . import wrapper_outcomes

@@ -121,6 +121,14 @@ class Port(Protocol):
     def on_compiled(self, compile_fn, args: tuple, kwargs: dict, kernel) -> Any:
         """``kernel`` as Triton's compile returned it, or a fewer-stage compile of it that fits the device."""
 
+    def deepgemm_remembered(self, call_of: Callable[[], Any]) -> Any:
+        """DeepGEMM's paged-MQA schedule computed in torch where DeepGEMM refused this case before with a batch no
+        larger, or None; ``call_of()`` describes the call (asked only when something was refused)."""
+
+    def on_deepgemm_refusal(self, call_of: Callable[[], Any], deep_gemm_of: Callable[[], Any], error) -> Any:
+        """The schedule computed in torch when ``error`` is DeepGEMM refusing the batch for shared memory (recorded
+        and remembered), or None: the error stands."""
+
     def holds_tiles(self) -> bool:
         """Whether the decision cache holds tiles some wrapper learnt."""
 

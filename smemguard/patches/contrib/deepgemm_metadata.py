@@ -8,7 +8,10 @@ result into its ``scheduler_metadata_buffer``. When DeepGEMM refuses the batch f
 memory, this wrapper returns the same schedule computed by
 :func:`smemguard.fallbacks.paged_mqa_logits_metadata` on the same device, logs one warning
 and writes one incident record. The decision is remembered: later calls with as large a
-batch skip DeepGEMM (a failed JIT build would otherwise rerun NVCC on every step).
+batch skip DeepGEMM (a failed JIT build would otherwise rerun NVCC on every step). The decision is the engine's
+(:mod:`smemguard.engine.deepgemm`, through ``Port.on_deepgemm_refusal`` and ``Port.deepgemm_remembered``); this
+module is the seam, and what it reads of vLLM's wrapper (the call's arguments, DeepGEMM's slots, the DeepGEMM module
+vLLM calls).
 
 Why: DeepGEMM's scheduler kernel keeps per-request arrays in shared memory, so large decode
 batches (MTP, big ``max_num_seqs``) kill the worker. The failures recognised, all a
@@ -53,16 +56,9 @@ import functools
 import importlib
 import inspect
 import logging
-import re
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from ...facts import process
 from ...facts.versions import Supported
-from ...kernels.recorded import describe_arg
-from ...store import incidents
-from ...store.decision import FALLBACK as FALLBACK_ACTION
 from .. import Layer, Patch, wrapt_layer
 
 log = logging.getLogger(__name__)
@@ -71,38 +67,7 @@ TARGET_MODULE = "vllm.utils.deep_gemm"
 FUNCTION = "get_paged_mqa_logits_metadata"
 _LAYER = Layer(TARGET_MODULE, FUNCTION, rebind=True)  # the MLA indexer imports the function by name
 
-KERNEL = "deep_gemm:get_paged_mqa_logits_metadata"
-FALLBACK = "smemguard.fallbacks:paged_mqa_logits_metadata"
 EXPECTED_PARAMETERS = ("context_lens", "block_size", "num_sms")
-
-#: ptxas' refusal, when a DeepGEMM build puts it into the exception text.
-_SHARED_DATA = "uses too much shared data"
-#: DeepGEMM's host assertion on the scheduler's shared memory.
-_HOST_ASSERTION = re.compile(r"\): smem_size <= (?:SM\d+ArchSpec::smem_capacity|meta_smem_cap)\s*$")
-#: DeepGEMM's JIT build failures (the compiler output itself went to stdout).
-_BUILD_FAILURE = re.compile(r'"NVCC compilation failed"|NVRTC error \([^)]*compiler\.hpp:\d+\)')
-#: Static shared memory a kernel may declare: NVCC refuses more.
-STATIC_SHARED_LIMIT = 48 * 1024
-
-# Fingerprints of the scheduler kernel in DeepGEMM's headers, whitespace collapsed.
-_REVERSED_SPLIT = "sm_idx > pivot ? sm_idx - pivot : 0"  # the last SMs take the extra unit
-_FRONT_SPLIT = "min(sm_idx, r)"  # the first SMs take the extra unit
-_ATOMS_INLINE = "ceil_div(next_n, next_n_atom)"  # atoms = ceil(next_n / 2), for any next_n
-_ATOMS_FROM_HOST = "const uint32_t num_next_n_atoms,"  # the count comes from compiled host code
-_CLAMPED = "min(lo, batch_size - 1)"  # nv_dev: idle SMs point at the last request
-_KERNEL_SIGNATURE = re.compile(r"void (?:smxx|sm90|sm100)_paged_mqa_logits_metadata\(")
-_STATIC_ARRAY = re.compile(r"__shared__ uint32_t \w+\[kAlignedBatchSize\]")
-_TOKEN_WEIGHTED = ("info.num_kv_splits * info.num_q_tokens", "sm_idx < rem ? sm_idx : rem",
-                   "w_in_request / info.num_q_tokens")
-
-
-@dataclass(frozen=True)
-class Scheduler:
-    """The installed DeepGEMM scheduler, as far as the fallback needs it."""
-
-    variant: str  # a smemguard.fallbacks.VARIANTS name
-    static_arrays: int  # per-request arrays in static shared memory (0: dynamic)
-    header: str  # the header it was read from
 
 
 @dataclass(frozen=True)
@@ -141,93 +106,20 @@ def _check_signature(function) -> None:
 
 
 def _fallback_on_refusal(wrapped, instance, args, kwargs):
-    if PATCH.engine is None:  # uninstalled while another tool's layer kept ours alive
+    engine = PATCH.engine
+    if engine is None:  # uninstalled while another tool's layer kept ours alive
         return wrapped(*args, **kwargs)
-    schedule = _remembered_schedule(wrapped, args, kwargs)
+    call_of = functools.partial(_bind, wrapped, args, kwargs)
+    schedule = engine.deepgemm_remembered(call_of)
     if schedule is not None:
         return schedule
     try:
         return wrapped(*args, **kwargs)
     except RuntimeError as error:
-        schedule = _fallback(wrapped, args, kwargs, error)
+        schedule = engine.on_deepgemm_refusal(call_of, functools.partial(_deep_gemm, wrapped), error)
         if schedule is None:
             raise
         return schedule
-
-
-def _remembered_schedule(wrapped, args, kwargs):
-    """The torch schedule when DeepGEMM already refused this case with a batch no larger; else None."""
-    refusals = PATCH.memory()  # (device, slots, next_n, block_size) -> (smallest batch refused, variant)
-    if not refusals:
-        return None
-    try:
-        call = _bind(wrapped, args, kwargs)
-        refused = refusals.get(call.key)
-        if call.indices is not None or refused is None or call.batch < refused[0]:
-            return None
-        from ...fallbacks import paged_mqa_logits_metadata
-
-        return paged_mqa_logits_metadata(call.context_lens, call.block_size, call.slots, variant=refused[1])
-    except Exception:  # bookkeeping only: DeepGEMM gets the call
-        log.debug("smemguard: could not reuse the DeepGEMM schedule decision", exc_info=True)
-        return None
-
-
-def _fallback(wrapped, args, kwargs, error: RuntimeError):
-    """The torch schedule when ``error`` is DeepGEMM refusing the batch for shared memory; else None."""
-    try:
-        reason = _refusal(str(error))
-        if reason is None:
-            return None
-        call = _bind(wrapped, args, kwargs)
-        if call.indices is not None:
-            process.warn_once(log, (KERNEL, "varlen"), "smemguard: %s refused a varlen batch (%s); smemguard has no "
-                                "torch schedule for varlen calls, so the error is raised", KERNEL, error)
-            return None
-        deep_gemm = _deep_gemm(wrapped)
-        scheduler = installed_scheduler(_include_dir(deep_gemm), _arch_major(call.context_lens.device),
-                                        call.next_n, call.block_size)
-        if scheduler is None:
-            process.warn_once(log, (KERNEL, "unknown"), "smemguard: %s refused the batch (%s), but the installed "
-                                "DeepGEMM's scheduler is not one smemguard can reproduce exactly; the error is "
-                                "raised", KERNEL, error)
-            return None
-        if reason == "build" and not _needs_static_overflow(scheduler, call.batch):
-            log.debug("smemguard: %s did not build for %d requests, which shared memory does not explain",
-                      KERNEL, call.batch)
-            return None
-        from ...fallbacks import paged_mqa_logits_metadata
-
-        started = time.perf_counter()
-        schedule = paged_mqa_logits_metadata(call.context_lens, call.block_size, call.slots,
-                                             variant=scheduler.variant)
-        engine = PATCH.engine
-        if engine is not None:
-            with engine.memory.lock:
-                refusals = PATCH.memory()
-                known = refusals.get(call.key)
-                if known is None or call.batch < known[0]:
-                    refusals[call.key] = (call.batch, scheduler.variant)
-        _report(call, scheduler, deep_gemm, error, reason, started)
-        return schedule
-    except Exception:  # our own failure must not replace DeepGEMM's error
-        log.debug("smemguard: no DeepGEMM schedule fallback", exc_info=True)
-        return None
-
-
-def _refusal(text: str) -> str | None:
-    if _SHARED_DATA in text:
-        return "shared data"
-    if _HOST_ASSERTION.search(text):
-        return "host assertion"
-    if _BUILD_FAILURE.search(text):
-        return "build"
-    return None
-
-
-def _needs_static_overflow(scheduler: Scheduler, batch: int) -> bool:
-    aligned = -(-batch // 32) * 32  # DeepGEMM sizes the arrays for the batch rounded up to a warp
-    return scheduler.static_arrays * aligned * 4 >= STATIC_SHARED_LIMIT
 
 
 @functools.lru_cache(maxsize=8)
@@ -250,107 +142,6 @@ def _deep_gemm(wrapped):
     resolve = getattr(wrapped, "__globals__", {}).get("_import_deep_gemm")
     module = resolve() if resolve is not None else None
     return module if module is not None else importlib.import_module("deep_gemm")
-
-
-def _include_dir(deep_gemm) -> Path:
-    # DeepGEMM's JIT compiles from <package>/include (its _C.init gets the package directory).
-    return Path(deep_gemm.__file__).parent / "include" / "deep_gemm"
-
-
-def _arch_major(device) -> int | None:
-    if getattr(device, "type", None) != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.get_device_capability(device)[0]
-
-
-def _kernel_text(path: Path) -> str | None:
-    """The metadata kernel's source in ``path``, whitespace collapsed: from its signature to the
-    next template (the headers also hold the logits kernels, with shared memory of their own)."""
-    try:
-        text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
-    except OSError:
-        return None
-    found = _KERNEL_SIGNATURE.search(text)
-    if found is None:
-        return None
-    end = text.find("template <", found.end())
-    return text[found.start():end if end >= 0 else len(text)]
-
-
-def installed_scheduler(include_dir: Path, arch_major: int | None, next_n: int, block_size) -> Scheduler | None:
-    """Which schedule the DeepGEMM at ``include_dir`` computes for this call, or None when unsure.
-
-    Three header layouts: ``scheduler/sm90_paged_mqa_logits.cuh`` and
-    ``scheduler/sm100_paged_mqa_logits.cuh`` (2.6), ``scheduler/paged_mqa_logits.cuh``
-    (2.4-2.5 and the nv_dev branch, one kernel for SM90 and SM100), and
-    ``impls/sm90_fp8_paged_mqa_logits.cuh`` (2.0-2.3). Only SM90 and SM100 are covered
-    (nv_dev splits differently on SM120).
-    """
-    if arch_major not in (9, 10):
-        return None
-    per_arch = include_dir / "scheduler" / "sm90_paged_mqa_logits.cuh"
-    if per_arch.exists():
-        if arch_major == 10:
-            header = include_dir / "scheduler" / "sm100_paged_mqa_logits.cuh"
-            text = _kernel_text(header)
-            if text is None or not all(mark in text for mark in _TOKEN_WEIGHTED):
-                return None
-            return Scheduler("sm100", _static_arrays(text), str(header))
-        return _request_major(per_arch, next_n)
-    shared = include_dir / "scheduler" / "paged_mqa_logits.cuh"
-    if shared.exists():
-        return _request_major(shared, next_n)
-    legacy = include_dir / "impls" / "sm90_fp8_paged_mqa_logits.cuh"
-    text = _kernel_text(legacy)
-    # No atoms yet (one unit per request and split) and splits of 4 * block_kv tokens.
-    if text is None or _FRONT_SPLIT not in text:
-        return None
-    if next_n > 2 or block_size != 64:
-        return None
-    return Scheduler("older", _static_arrays(text), str(legacy))
-
-
-def _request_major(header: Path, next_n: int) -> Scheduler | None:
-    text = _kernel_text(header)
-    if text is None:
-        return None
-    reversed_split, front_split = _REVERSED_SPLIT in text, _FRONT_SPLIT in text
-    if reversed_split == front_split:
-        return None
-    # One atom for next_n <= 2 under every rule DeepGEMM used; beyond, only the inline ceil rule is ours.
-    atoms_known = next_n <= 2 or (_ATOMS_INLINE in text and _ATOMS_FROM_HOST not in text)
-    if not atoms_known:
-        return None
-    if _CLAMPED in text:
-        variant = "nv_dev" if reversed_split else None
-    else:
-        variant = "current" if reversed_split else "older"
-    return None if variant is None else Scheduler(variant, _static_arrays(text), str(header))
-
-
-def _static_arrays(text: str) -> int:
-    return 0 if "extern __shared__" in text else len(_STATIC_ARRAY.findall(text))
-
-
-def _report(call: _Call, scheduler: Scheduler, deep_gemm, error: RuntimeError, reason: str, started: float) -> None:
-    why = {"shared data": "ptxas: uses too much shared data",
-           "host assertion": "DeepGEMM's host assertion on the scheduler's shared memory",
-           "build": f"the scheduler did not build, and {scheduler.static_arrays} static per-request "
-                    f"arrays for {call.batch} requests need {STATIC_SHARED_LIMIT} B or more"}[reason]
-    incident = incidents.Incident(
-        kernel=KERNEL, launched_as=f"{TARGET_MODULE}:{FUNCTION}", phase="launch", action=FALLBACK_ACTION,
-        final=f"fallback {FALLBACK}", resource="shared memory", required=None, limit_hit=None, started=started,
-        reason=why, extras={
-            "args": {"context_lens": describe_arg(call.context_lens), "block_size": call.block_size,
-                     "num_sms": call.num_sms, "indices": describe_arg(call.indices)},
-            "slots": call.slots, "variant": scheduler.variant,
-            "deep_gemm": {"version": getattr(deep_gemm, "__version__", None), "header": scheduler.header},
-            "error": f"{type(error).__name__}: {error}"})
-    incidents.report(incident, PATCH.records_path(), (KERNEL, *call.key),
-                     "smemguard: %s: DeepGEMM refused a batch of %d requests (%s); the same schedule (%s) is computed "
-                     "in torch from now on for batches this large", KERNEL, call.batch, why, scheduler.variant)
 
 
 PATCH = Patch(__name__, target=f"{TARGET_MODULE}.{FUNCTION}", modules=(TARGET_MODULE,),
