@@ -237,6 +237,33 @@ def test_a_textfile_smemguard_did_not_write_is_moved_aside(textfile_only, caplog
     assert smemguard_samples(textfile_only.read_text())[("smemguard_incidents_total", labels)] == 1
 
 
+def test_a_lock_held_too_long_keeps_the_counts_for_the_next_update(textfile_only, monkeypatch, caplog):
+    """Another process holding the textfile's lock past the wait (a stopped writer, a hand-held flock) turns nothing
+    off: the incidents counted meanwhile are written with the next update that gets the lock."""
+    import fcntl
+
+    from smemguard.facts import files
+
+    monkeypatch.setattr(files, "LOCK_WAIT_S", 0.05)
+    monkeypatch.setattr(metrics._exporter, "waiting", [])
+    held = os.open(textfile_only.parent / f".{textfile_only.name}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file description: this process's flock waits on it too
+    try:
+        with caplog.at_level(logging.WARNING, logger="smemguard"):
+            metrics.count(RECORD)
+            metrics.count(RECORD)
+    finally:
+        os.close(held)
+    assert not textfile_only.exists(), "nothing written while the lock was held"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "held by another process" in line and "counted there at the next update" in line
+    time.sleep(0.2)  # past the pause a wait that ran out sets
+    metrics.count(RECORD)
+    labels = (("action", "fallback"), ("gpu", "unknown"), ("kernel", "k:one"), ("resource", "shared memory"))
+    assert smemguard_samples(textfile_only.read_text())[("smemguard_incidents_total", labels)] == 3
+    assert metrics._exporter.waiting == []
+
+
 def test_an_unwritable_textfile_warns_once_and_counting_goes_on(tmp_path, caplog):
     (tmp_path / "file").write_text("")
     metrics.configure(Settings(metrics_file=tmp_path / "file" / "smemguard.prom"))

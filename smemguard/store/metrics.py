@@ -52,6 +52,9 @@ INCIDENT_LABELS = tuple("gpu" if name == "device" else name for name in LABEL_FI
 INFO_LABELS = ("version", "triton", "mode", "limit")
 #: A textfile holds a few lines per kernel; one larger than this is not smemguard's.
 MAX_TEXTFILE = 8 * 2**20
+#: Records kept for the textfile while its lock is busy (added at the next update that gets it); beyond, the oldest
+#: are dropped (a lock held that long is no writer's: the count a scraper sees then stops, as it would anyway).
+MAX_WAITING = 10_000
 #: Upper bounds (s) of the recovery histogram: from candidates found in Triton's cache
 #: (milliseconds) to a ladder of cold compiles and the tuner's benchmark (seconds).
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -78,6 +81,7 @@ class _Exporter:
         self.settings = None  # the installed guard's settings
         self.textfile: Path | None = None
         self.last_written: tuple | None = None  # (path, the text this process wrote there last, its Tally)
+        self.waiting: list[dict] = []  # records counted while another process held the textfile's lock
         self.watching = False  # the post-import hook on prometheus_client is registered
 
 
@@ -312,7 +316,8 @@ def count(record: dict) -> None:
 def _update_textfile(path: Path, record: dict) -> None:
     """Add ``record`` to the textfile: read, add and replace it atomically under an exclusive lock
     (``.<name>.lock`` beside it, :mod:`smemguard.facts.files`), so a reader never sees half a file and
-    concurrent writers of the host lose no count. Unwritable: one warning, then the file is left alone."""
+    concurrent writers of the host lose no count. A lock another process holds too long (:class:`files.Busy`): the
+    record waits for the next update that gets it (one line). Unwritable: one warning, then the file is left alone."""
     if process.warned(("metrics", str(path))):
         return
     try:
@@ -320,10 +325,15 @@ def _update_textfile(path: Path, record: dict) -> None:
         with files.exclusive(path.parent / f".{path.name}.lock"):
             tally = _read_textfile(path)
             _exporter.last_written = None
-            tally.add(record)
+            for waited in (*_exporter.waiting, record):
+                tally.add(waited)
             text = tally.exposition()
             files.replace(path, text, mode=0o644)  # node_exporter usually runs as another user
-            _exporter.last_written = (path, text, tally)
+            _exporter.waiting, _exporter.last_written = [], (path, text, tally)
+    except files.Busy as error:
+        _exporter.waiting = [*_exporter.waiting, record][-MAX_WAITING:]
+        process.warn_once(log, ("metrics busy", str(path)), "smemguard: %s; the incident is counted there at the "
+                          "next update that gets the lock (%d waiting)", error, len(_exporter.waiting))
     except OSError as error:
         process.warn_once(log, ("metrics", str(path)),
                           "smemguard: cannot write metrics to %s (%s); it is left as it is. Fix: point "
