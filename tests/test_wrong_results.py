@@ -165,6 +165,9 @@ def launched(gpu, record: dict, tiles: tuple) -> tuple:
 GRIDS = {
     # The grid: a function that closes over the caller's tiles and ignores its argument.
     "closes over the caller's tiles": ("matmul_kernel", lambda meta: (triton.cdiv(N, BM), triton.cdiv(N, BN))),
+    # Reads one tile from its argument and holds the caller's other one: a smaller BLOCK_N would leave columns out.
+    "reads BLOCK_M, holds the caller's BLOCK_N": ("matmul_kernel", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]),
+                                                                                triton.cdiv(N, BN))),
     "reads the tiles": ("matmul_kernel", lambda meta: (triton.cdiv(N, meta["BLOCK_M"]),
                                                        triton.cdiv(N, meta["BLOCK_N"]))),
     # A persistent kernel loops over the tiles itself: its grid (4 programs) does not change with them, but reads them.
@@ -206,6 +209,10 @@ def test_alternatives_run_only_where_the_grid_follows_them_and_c_is_whole(instal
         assert record["action"] == "reraised"
         assert "the grid function reads none of their parameters from its meta-parameters" in record["reason"]
         assert any("reads none of their parameters" in note for note in error.__notes__)
+    elif grid == "reads BLOCK_M, holds the caller's BLOCK_N":
+        assert error is not None and gpu.launches == [], "the caller's tiles kept: its own error"
+        assert record["action"] == "reraised"
+        assert "the grid function does not read BLOCK_N from its meta-parameters" in record["reason"]
     else:
         assert error is None and record["action"] == "config_changed" and len(gpu.launches) == 1
         assert gpu.launches[0].grid == ((4, 1, 1) if persistent else (8, 8, 1))

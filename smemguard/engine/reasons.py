@@ -18,8 +18,13 @@ def why_nothing_fits(launch: Launch, budget: int, attempts: list) -> str:
     if launch.tuner is not None:
         return f"no config of the autotuner fits; {advice}"
     if registry.alternatives_for(launch.jit) and not launch.alternatives():
+        misses = sorted(set().union(*map(launch.grid_misses, registry.alternatives_for(launch.jit))))
+        reads = launch.grid_reads()
         grid = ("the grid is a tuple computed by the caller" if not callable(launch.grid) else "the grid function "
-                "reads none of their parameters from its meta-parameters (it holds the caller's tiles, as a tuple)")
+                "reads none of their parameters from its meta-parameters (it holds the caller's tiles, as a tuple)"
+                if not any(reads & config.kwargs.keys() for config in registry.alternatives_for(launch.jit)) else
+                f"the grid function does not read {', '.join(misses)} from its meta-parameters, which the kernel's "
+                "program ids step over (it holds the caller's)")
         return (f"alternatives are registered, but {grid}, so the tiles it was computed for are kept; pass the grid "
                 f"as a function of the meta-parameters (meta['BLOCK_M']), or {advice}")
     if registry.alternatives_for(launch.jit):

@@ -123,12 +123,23 @@ class Launch:
     def alternatives(self) -> list:
         """The alternatives registered for the kernel (:func:`smemguard.register_alternatives`) that this launch may
         switch to: none through a tuner (its configs are its own), else those whose parameters its grid function
-        reads (:meth:`grid_reads`), so that the grid follows the tile that runs. A grid computed from the tiles the
-        caller launched would leave most of the output unwritten with a smaller one."""
+        reads (:meth:`grid_reads`), every one they change that the kernel's program ids step over among them
+        (:meth:`grid_misses`), so that the grid follows the tile that runs. A grid computed from the tiles the caller
+        launched would leave most of the output unwritten with a smaller one."""
         if self.tuner is not None:
             return []
         reads = self.grid_reads()
-        return [config for config in registry.alternatives_for(self.jit) if reads & config.kwargs.keys()]
+        return [config for config in registry.alternatives_for(self.jit)
+                if reads & config.kwargs.keys() and not self.grid_misses(config)]
+
+    def grid_misses(self, config) -> frozenset:
+        """The parameters ``config`` changes that the kernel's program ids step over
+        (:func:`smemguard.kernels.parameters.program_tiles`) and its grid function does not read: a grid that reads
+        ``meta["BLOCK_M"]`` but holds the caller's ``BLOCK_N`` in a closure."""
+        stepped = parameters.program_tiles(self.jit) or frozenset()
+        named = self.named_args()
+        changed = {name for name, value in config.kwargs.items() if named.get(name) != value}
+        return frozenset(changed & stepped) - self.grid_reads()
 
     def grid_reads(self) -> frozenset:
         """The parameters the launch's grid function reads from the meta-parameters Triton gives it (all of them

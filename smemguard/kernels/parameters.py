@@ -35,7 +35,7 @@ import builtins
 import logging
 from dataclasses import dataclass, field
 
-from .source import ByIdentity, Scope, is_jit
+from .source import ByIdentity, Scope, is_jit, parsed
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,60 @@ def is_count(value) -> bool:
 
 #: Knobs read so far, one per JIT function.
 _read_so_far = ByIdentity(1024)
+
+
+def program_tiles(jit) -> frozenset | None:
+    """The parameters the kernel's program ids step over (``pid_m * BLOCK_M``, with ``pid_m`` computed from
+    ``tl.program_id`` directly or through other names, a loop over them, a call given them): the tiles its grid must
+    be computed from, since a smaller one leaves programs out. In the kernel's own body (a product inside a function
+    it calls is not seen); None when its source cannot be read."""
+    try:
+        source = parsed(jit)
+    except Exception:  # an unreadable source: nothing known
+        return None
+    if source is None:
+        return None
+    from_programs: set[str] = set()
+
+    def computed_from_programs(expression: ast.AST) -> bool:
+        pending = [expression]
+        while pending:
+            node = pending.pop()
+            if isinstance(node, ast.Call) and _called_attribute(node) in _LOADS:
+                continue  # what is loaded is data, not where a program is
+            if (isinstance(node, ast.Call) and _called_attribute(node) == "program_id") or (
+                    isinstance(node, ast.Name) and node.id in from_programs):
+                return True
+            pending.extend(ast.iter_child_nodes(node))
+        return False
+
+    bindings = [(node.iter if isinstance(node, ast.For) else node.value,
+                 node.targets if isinstance(node, ast.Assign) else [node.target])
+                for node in source.nodes() if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For))
+                and (node.iter if isinstance(node, ast.For) else node.value) is not None]
+    grown = True
+    while grown:  # a name computed from one computed from a program id, to any depth
+        grown = False
+        for value, targets in bindings:
+            if computed_from_programs(value):
+                for name in (node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name)):
+                    grown |= name not in from_programs
+                    from_programs.add(name)
+    parameters = set(source.params)
+    return frozenset(one.id for node in source.nodes() if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
+                     for one, other in ((node.left, node.right), (node.right, node.left))
+                     if isinstance(one, ast.Name) and one.id in parameters and computed_from_programs(other))
+
+
+#: Calls whose result is data read from memory (a value, not an index).
+_LOADS = frozenset({"load", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg"})
+
+
+def _called_attribute(call: ast.Call) -> str | None:
+    """``program_id`` of ``tl.program_id(0)`` (or of ``program_id(0)``)."""
+    function = call.func
+    return function.attr if isinstance(function, ast.Attribute) else function.id if isinstance(function, ast.Name) \
+        else None
 
 
 def knobs_of(jit) -> Knobs:
