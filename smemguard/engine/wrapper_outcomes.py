@@ -46,7 +46,7 @@ class Outcome:
         self._report(TILES_REDUCED, chosen, None, [*self.failed, Attempt(chosen, None, self.error.limit, True)],
                      "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
                      self.kernel, SHARED, self.error.required, self.error.limit, self.failed[0].config,
-                     " ".join(f"{name}={value}" for name, value in self.shape), self.name, chosen)
+                     tile_entries.label(dict(self.shape), dict(self.shape).values()), self.name, chosen)
         self._remember(final)
 
     def _remember(self, final: tuple) -> None:
