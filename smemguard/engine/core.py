@@ -184,13 +184,12 @@ class Engine:
     def keep_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], shape: tuple,
                    kept: tuple, *, from_config: str, required: int, steps: Steps) -> None:
         """Keep the ``tiles`` that fit (``kept``) for ``wrapper``'s ``shape`` class, for the next process."""
-        from ..store import tile_entries
         from . import wrapper_outcomes
 
         with steps.skippable("describe the tiles for the decision cache"):
             wrapper_outcomes.remember_tiles(
                 self.settings, wrapper_outcomes.tile_case(wrapper, jits, choice, tiles, shape),
-                final=tile_entries.label(tiles, kept), from_config=from_config,
+                from_config=from_config,
                 required=required, tiles=kept, steps=steps)
 
     def close(self) -> None:
