@@ -8,7 +8,7 @@ in every run. So the vLLM wrapper patches use plain function layers.
     python benchmarks/experiments/wrapper_layer_cost.py [--calls 200000] [--repeat 7]
 
 Prints the bare call and, for each layer, its cost over the bare call (best of --repeat timeit
-runs, microseconds per call): smemguard's plain function layer (``patches._tile_choice``), and a
+runs, microseconds per call): smemguard's plain function layer (``patches.contrib._retried_wrapper``), and a
 wrapt ``FunctionWrapper`` whose wrapper is the same ``try`` (what the patch used before).
 """
 

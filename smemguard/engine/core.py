@@ -187,7 +187,7 @@ class Engine:
         with steps.skippable("describe the tiles for the decision cache"):
             wrapper_outcomes.remember_tiles(
                 self.settings, wrapper_outcomes.tile_case(wrapper, jits, choice, tiles, shape),
-                final=" ".join(f"{name}={tile}" for name, tile in zip(tiles, kept)), from_config=from_config,
+                from_config=from_config,
                 required=required, tiles=kept, steps=steps)
 
     def close(self) -> None:

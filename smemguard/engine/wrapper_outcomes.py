@@ -46,14 +46,14 @@ class Outcome:
         self._report(TILES_REDUCED, chosen, None, [*self.failed, Attempt(chosen, None, self.error.limit, True)],
                      "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now on",
                      self.kernel, SHARED, self.error.required, self.error.limit, self.failed[0].config,
-                     " ".join(f"{name}={value}" for name, value in self.shape), self.name, chosen)
+                     tile_entries.label(dict(self.shape), dict(self.shape).values()), self.name, chosen)
         self._remember(final)
 
     def _remember(self, final: tuple) -> None:
         """Keep the tiles that fit in the decision cache, for the next process on this arch and limit."""
         remember_tiles(self.engine.settings, tile_case(self.name, self.declaration.jits, self.declaration.name,
                                                 self.declaration.tiles, self.shape),
-                       final=self.declaration.label(final), from_config=self.failed[0].config,
+                       from_config=self.failed[0].config,
                        required=self.error.required, tiles=final, steps=self.steps)
 
     @property
@@ -166,9 +166,10 @@ def tile_case(wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], sh
             "shape": [list(pair) for pair in shape], **variants.on_device(process.current_device())}
 
 
-def remember_tiles(settings, case: dict, *, final: str, from_config: str, required: int, tiles: tuple,
+def remember_tiles(settings, case: dict, *, from_config: str, required: int, tiles: tuple,
                    steps: Steps) -> None:
-    """Keep ``tiles``, which fit for ``case`` (:func:`tile_case`), in the decision cache's table of learnt tiles."""
+    """Keep ``tiles``, which fit for ``case`` (:func:`tile_case`), in the decision cache's table of learnt tiles (its
+    ``final`` labelled here, from the case's tile names)."""
     store = None
     with steps.skippable("open the decision cache"):
         store = decision_cache.store(settings.cache_dir)
@@ -176,7 +177,8 @@ def remember_tiles(settings, case: dict, *, final: str, from_config: str, requir
         return
     with steps.skippable("store the tiles"):
         store.put(TABLE, decision_cache.case_id(case), decision_cache.new_entry(
-            case, action=TILES_REDUCED, final=final, from_config=from_config,
+            case, action=TILES_REDUCED, final=tile_entries.label(case["tile"].split(","), tiles),
+            from_config=from_config,
             gpu=variants.gpu_label(process.current_device()), resource=SHARED, required=required,
             value=_as_stored(tiles)))
 

@@ -159,7 +159,7 @@ class _Declaration:
         return tile_entries.halved(tiles, self.smallest)
 
     def label(self, tiles: tuple) -> str:
-        return " ".join(f"{name}={tile}" for name, tile in zip(self.tiles, tiles))
+        return tile_entries.label(self.tiles, tiles)
 
     def _of(self, engine) -> tuple[_Learnt, Any]:
         """(what this declaration learnt in ``engine``'s install, the lock its writers take)."""
@@ -206,9 +206,9 @@ class _Declaration:
         return learnt.exhausted.get(self._key(learnt, wrapper, shape))
 
 
-def _shape_class(arguments) -> tuple | None:
-    """(name, value) pairs with dtypes by name; None when a value is not a plain one (a tensor: the shape class
-    holds what the tiles depend on, not the data)."""
+def plain_shape(arguments) -> tuple | None:
+    """A shape class as records and the decision cache hold it: (name, value) pairs with dtypes by name; None when a
+    value is not a plain one (a tensor: the shape class holds what the tiles depend on, not the data)."""
     shape = []
     for name, value in arguments:
         if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
@@ -256,10 +256,10 @@ class TileChoice(_Declaration):
     def shape_class(self, args: tuple, kwargs: dict) -> tuple | None:
         """The choice's arguments by name (dtypes by name); None when one is not a plain value."""
         if self._positional and not kwargs and len(args) == len(self._names):  # the usual call: no binding to do
-            return _shape_class(zip(self._names, args))
+            return plain_shape(zip(self._names, args))
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return _shape_class(bound.arguments.items())
+        return plain_shape(bound.arguments.items())
 
 
 def _replaced(answer: tuple, positions: tuple[int, ...], tiles: tuple) -> tuple:
@@ -281,7 +281,7 @@ class LaunchTiles(_Declaration):
         """``kernel[grid](*args, **kwargs)`` inside a declared call, with the tiles learnt for its shape class."""
         try:
             answered = tuple(kwargs[name] for name in self.tiles)
-            shape = _shape_class(self._shape(args, kwargs).items()) if all(
+            shape = plain_shape(self._shape(args, kwargs).items()) if all(
                 type(tile) is int for tile in answered) else None
             tiles = self.lowered(call, shape, answered) if shape is not None else answered
             if tiles != answered:

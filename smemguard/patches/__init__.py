@@ -2,13 +2,12 @@
 
 The modules sit in a folder per kind of target (``triton_seams``, ``torch_seams``, ``contrib``: different risk,
 different release cadence). Each defines ``PATCH``, a :class:`Patch` (or a class built on it:
-:class:`~.contrib._tile_choice.TileChoice`, :class:`~.contrib._declared_wrappers.DeclaredWrappers`): the contract as
-data (what it patches, the modules whose
-import applies it, the releases it was checked against, whether it is safe in observe mode, which settings
-want it, its layers) and one implementation of ``patch(engine)``, ``unpatch()`` and ``is_patched()`` for all
-of them. ``engine`` is the installed engine (:class:`Port` says what a patch may use of it; no patch imports
-it): a patch keeps it in ``PATCH.engine`` and its layers read it there at each call, so a layer another tool
-kept alive after ``uninstall()`` does nothing, and serves the next install.
+:class:`~.contrib._retried_wrapper.RetriedWrapper`, :class:`~.contrib._declared_wrappers.DeclaredWrappers`): the
+contract as data (what it patches, the modules whose import applies it, the releases it was checked against, whether
+it is safe in observe mode, which settings want it, its layers) and one implementation of ``patch(engine)``,
+``unpatch()`` and ``is_patched()`` for all of them. ``engine`` is the installed engine (:class:`Port` says what a
+patch may use of it; no patch imports it): a patch keeps it in ``PATCH.engine`` and its layers read it there at each
+call, so a layer another tool kept alive after ``uninstall()`` does nothing, and serves the next install.
 
 The Triton patches (``supported.package == "triton"``) are applied at install, each on its own; the others
 each when one of their ``modules`` is imported. A library pack names its kernels as :class:`Kernels`: every module a

@@ -20,7 +20,7 @@ OBSERVED = "observed"
 BLOCKS_REDUCED = "blocks_reduced"
 #: Smaller tiles chosen where the tiles are chosen: FlexAttention configs before Inductor renders them
 #: (:mod:`smemguard.patches.torch_seams.inductor_flex_configs`), a wrapper's own tile choice
-#: (:mod:`smemguard.patches.contrib._tile_choice`;
+#: (:mod:`smemguard.patches.contrib._retried_wrapper`;
 #: records written before 2026-12-03 spell it ``tile_reduced``).
 TILES_REDUCED = "tiles_reduced"
 

@@ -17,6 +17,12 @@ FIELDS = {"value": Expect("a tile from 1 to 65536, or a list of 1 to 8 of them",
           "from_config": TEXT}
 
 
+def label(names, values) -> str:
+    """``name=value`` pairs joined by spaces: how records, log lines and an entry's ``from_config`` and ``final``
+    write tiles (``BLOCK_M=128 BLOCK_N=64``, read back by :func:`problems`), and log lines a shape class."""
+    return " ".join(f"{name}={value}" for name, value in zip(names, values))
+
+
 def halved(tiles: tuple, smallest: int) -> tuple | None:
     """The next tiles a declared wrapper tries after ``tiles`` did not fit: every tile equal to the largest halved
     (equal tiles stay equal, a smaller one waits), or None when that would go below ``smallest``."""

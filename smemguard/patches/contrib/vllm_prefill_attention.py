@@ -18,7 +18,7 @@ element, so it covers the same keys for any ``BLOCK_M``/``BLOCK_N``. Results equ
 tile's up to the order of floating-point additions in the online softmax (not bitwise). Halved
 down to 16 (``tl.dot``): 64 fits head size 256 on sm_89/sm_120 (73728 B), 32 on sm_75 (65536 B).
 
-What it does (:mod:`smemguard.patches.contrib._tile_choice`, shared with ``vllm_unified_attention``):
+What it does (:mod:`smemguard.patches.contrib._retried_wrapper`, shared with ``vllm_unified_attention``):
 ``context_attention_fwd`` gets a plain function layer (also in the modules that imported it by
 name: the Triton and ROCm attention backends): a ``try`` around the call. When a call raises
 ``OutOfResources`` for shared memory from ``_fwd_kernel`` (its only launch) with the ``BLOCK_M`` the
@@ -49,7 +49,7 @@ import inspect
 
 from ...facts.versions import Supported
 from .. import Kernels
-from ._tile_choice import TileChoice
+from ._retried_wrapper import RetriedWrapper
 
 HOMES = ("vllm.v1.attention.ops.triton_prefill_attention",)
 WRAPPER = "context_attention_fwd"
@@ -102,7 +102,7 @@ def _wrapper_takes_the_keys(module) -> bool:
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-PATCH = TileChoice(
+PATCH = RetriedWrapper(
     __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
     checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("BLOCK_M", "BLOCK_N"), masked=("BLOCK_M", "BLOCK_N"),

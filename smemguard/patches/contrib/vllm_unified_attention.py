@@ -17,7 +17,7 @@ attention kernel used, which is why both must see the same value. The results eq
 larger tile's up to the order of floating-point additions in the softmax (not bitwise).
 The smallest tile is 16 (``tl.dot`` needs K >= 16), 32 for fp8 queries, as vLLM says.
 
-What it does (:mod:`smemguard.patches.contrib._tile_choice`, shared with ``vllm_prefill_attention``):
+What it does (:mod:`smemguard.patches.contrib._retried_wrapper`, shared with ``vllm_prefill_attention``):
 ``unified_attention`` gets a plain function layer (also where the Triton backend imported it by
 name): a ``try`` around the call, nothing else on a healthy call. When a call raises
 ``OutOfResources`` for shared memory from its first launch, ``kernel_unified_attention``, and that
@@ -51,7 +51,7 @@ import inspect
 
 from ...facts.versions import Supported
 from .. import Kernels
-from ._tile_choice import TileChoice
+from ._retried_wrapper import RetriedWrapper
 
 HOMES = ("vllm.v1.attention.ops.triton_unified_attention",)
 WRAPPER = "unified_attention"
@@ -91,7 +91,7 @@ def _chooses_by_shape(module) -> bool:
 
 
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-PATCH = TileChoice(
+PATCH = RetriedWrapper(
     __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
     checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("TILE_SIZE",),

@@ -1,10 +1,11 @@
-"""A vLLM wrapper's own tile choice, lowered for the calls whose first kernel launch does not fit.
+"""A vLLM wrapper's own tile choice, lowered for the calls whose first kernel launch does not fit, and the wrapper
+called again.
 
 Shared by the patches of vLLM wrapper functions that choose a kernel's tile with a module-level
 function, launch that kernel first, and either launch it with a grid that does not depend on the
 tile or compute the grid from the same choice (``vllm_unified_attention``,
 ``vllm_prefill_attention``), wherever a release keeps them. Each patch describes its target as a
-:class:`TileChoice`; the per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
+:class:`RetriedWrapper`; the per-kernel knowledge that makes a smaller tile safe lives in that patch's docstring.
 
 How: the wrapper gets a plain function layer, a ``try`` around the call (a healthy call pays one
 Python frame and nothing else; a wrapt ``FunctionWrapper`` costs several times that;
@@ -32,14 +33,15 @@ from ...facts import process
 from ...kernels.launch import Attempt
 from ...kernels import recorded
 from ...kernels.recorded import attempt_records
-from ...store import incidents
+from ...engine.wrapper_tiles import plain_shape
+from ...store import incidents, tile_entries
 from ...store.decision import TILES_REDUCED
 from .. import Kernels, Layer, Patch
 
 log = logging.getLogger(__name__)
 
 
-class TileChoice(Patch):
+class RetriedWrapper(Patch):
     """One vLLM wrapper, the function it chooses a tile with, and the kernel it launches first, in the home of
     ``kernels`` (:class:`smemguard.patches.Kernels`: wherever a release keeps them, where the kernel has what the
     pack's argument reads; a process imports one release, so the first home found is the one patched).
@@ -163,7 +165,7 @@ class TileChoice(Patch):
         if key in memory:
             return memory[key]
         engine = self.engine
-        if engine is None:
+        if engine is None or self._plain(key) is None:
             return None
         found = engine.learnt_tiles(*self._described(key), (answered,), self._smallest(shape))
         stored = found[0] if found else None
@@ -173,9 +175,14 @@ class TileChoice(Patch):
     def _described(self, key: tuple) -> tuple:
         """A shape class as the decision cache's tiles table knows it: the wrapper, its kernel, the choice, the tile's
         name and the shape class's (name, value) pairs, the form declared wrappers' learnt tiles take."""
-        _, _, *shape = key
         return (f"{self.module}:{self.wrapper}", (self._jit(),), f"{self.module}:{self.choice}", (self.tile,),
-                tuple(zip(self.shape_fields, _plain(shape))))
+                self._plain(key))
+
+    def _plain(self, key: tuple) -> tuple | None:
+        """A shape class's (name, value) pairs as records and the decision cache hold them (a dtype by its name);
+        None when a value is not a plain one."""
+        _, _, *shape = key
+        return plain_shape(zip(self.shape_fields, shape))
 
     def _jit(self):
         return getattr(sys.modules[self.module], self.kernel)
@@ -213,6 +220,8 @@ class TileChoice(Patch):
         if shape is None:
             return None
         key, tile = self._key(shape), kwargs[self.tile]
+        if self._plain(key) is None:  # no shape class the decision cache and records can hold: not one of ours
+            return None
         module = sys.modules[self.module]
         choose = inspect.unwrap(getattr(module, self.choice))
         if self._wrapper_tile(module, choose, shape, self.memory().get(key)) != tile:  # chosen elsewhere: not ours
@@ -247,7 +256,7 @@ class TileChoice(Patch):
                 raise error  # a later launch failed after the kernel ran: the call is not repeated
             if key is None:
                 key, before = step[0], self.memory().get(step[0])
-            failed.append(Attempt(f"{self.tile}={step[1]}", error.required, error.limit, False))
+            failed.append(Attempt(tile_entries.label((self.tile,), (step[1],)), error.required, error.limit, False))
             learned = False
             with steps.skippable("learn the tile"):
                 learned = self._learn(key, step[2])
@@ -268,9 +277,9 @@ class TileChoice(Patch):
         with steps.skippable("describe the failed launch"):
             described = recorded.failed_launch_fields(error, self.engine.notes)
         try:
-            device, _, *shape = key
-            shape_class = dict(zip(self.shape_fields, _plain(shape)))
-            chosen = f"{self.tile}={final}"
+            device = key[0]
+            shape_class = dict(self._plain(key))
+            chosen = tile_entries.label((self.tile,), (final,))
             incident = incidents.Incident(
                 kernel=f"{self.module}:{self.kernel}", launched_as=f"{self.module}:{self.wrapper}", phase="launch",
                 action=TILES_REDUCED, final=chosen, resource=error.name, required=error.required,
@@ -280,11 +289,6 @@ class TileChoice(Patch):
             incidents.report(incident, self.records_path(), (self.kernel, key),
                              "smemguard: %s: %s %s > %s B with %s (%s); %s chooses %s for this shape class from now "
                              "on", self.kernel, error.name, error.required, error.limit, failed[0].config,
-                             " ".join(f"{name}={value}" for name, value in shape_class.items()), self.wrapper, chosen)
+                             tile_entries.label(shape_class, shape_class.values()), self.wrapper, chosen)
         except Exception:
             log.warning("smemguard: could not write the incident record for %s", self.kernel, exc_info=True)
-
-
-def _plain(shape) -> list:
-    """A shape class's values as records and the decision cache hold them (a dtype by its name)."""
-    return [value if isinstance(value, (bool, int, float, str)) else str(value) for value in shape]
