@@ -161,3 +161,19 @@ def test_a_step_block_counts_our_error_once_and_lets_interrupts_through():
     with pytest.raises(KeyboardInterrupt), steps.required("interrupted"):
         raise KeyboardInterrupt
     assert steps.failed == ["save work", "inner"], "an interrupt is not smemguard's bug"
+
+
+def test_a_declared_wrapper_recovers_in_the_process_when_the_stored_tiles_cannot_be_read(
+        install_guard, incident_log, tmp_path, triton_cache, monkeypatch):
+    """Reading the decision cache's tiles fails (smemguard's bug, or a cache it cannot read): the declared wrapper still
+    runs again with a halved tile, as with no cache, and learns it for the process."""
+    from smemguard.engine import wrapper_outcomes
+    from test_wrapper_tiles import LIMIT, matmul, operands
+
+    install_guard(cache_dir=tmp_path / "decisions")
+    monkeypatch.setattr(wrapper_outcomes, "stored_tiles", always_failing(wrapper_outcomes.stored_tiles))
+    with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        assert matmul(*operands()) == 64
+        assert [launch.shared for launch in gpu.launches] == [24576], "one launch, at the halved tile"
+        assert matmul(*operands()) == 64 and len(gpu.launches) == 2, "the next call chooses it at once"
+    assert [record["action"] for record in records(incident_log)] == ["tiles_reduced"]

@@ -182,7 +182,11 @@ class _Declaration:
         known = learnt.known.get(key, _UNKNOWN)
         if known is not _UNKNOWN:
             return known
-        stored = wrapper_outcomes.stored_tiles(self, wrapper, shape, answered, engine.settings)
+        try:
+            stored = wrapper_outcomes.stored_tiles(self, wrapper, shape, answered, engine.settings)
+        except Exception:  # an unreadable decision cache: this process learns its own, as with no cache
+            log.debug("smemguard: could not read the tiles stored for %s", wrapper, exc_info=True)
+            stored = None
         with lock:
             return learnt.known.setdefault(key, stored)
 
