@@ -21,23 +21,38 @@ from ..store.incidents import Incident, emit
 log = logging.getLogger(__name__)
 
 
-def record_launch(launch, launched, failing, error, decision, started: float, log_path: Path | None,
-                  described: dict | None = None, phase: str = "launch"):
-    """Write the incident record and the one-line warning; return the decision with its location.
+@dataclasses.dataclass
+class Failure:
+    """One failed launch as the engine handles it: ``launched[grid](*args, **kwargs)`` raised ``error``; handling
+    began at ``started`` (``time.perf_counter()``: the record's recovery_ms). What the engine resolved of it is filled
+    in as it goes: the ``launch`` (None where it cannot be resolved), the ``failing`` compiled kernel, the arguments
+    ``described`` at the failure (before candidates' pre-hooks rewrite TMA descriptors)."""
 
-    ``launch`` is None when the launch could not be resolved; ``described``: the arguments as
-    :func:`~smemguard.kernels.recorded.described_args` saw them at the failure, if taken then. Never raises: a
-    record that cannot be built or written leaves the decision as it is.
-    """
+    launched: Any
+    grid: Any
+    args: tuple
+    kwargs: dict
+    error: BaseException
+    started: float
+    phase: str = "launch"  # or "warmup": a warm-up compiled what would not fit
+    launch: Any = None
+    failing: Any = None
+    described: dict | None = None
+
+
+def record_launch(failure: Failure, decision, log_path: Path | None):
+    """Write the incident record of ``failure`` and the one-line warning; return the decision with its location.
+    Never raises: a record that cannot be built or written leaves the decision as it is."""
     try:
-        return _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase)
+        return _record_launch(failure, decision, log_path)
     except Exception:
-        log.warning("smemguard: could not write the incident record for %s", type(launched).__name__,
+        log.warning("smemguard: could not write the incident record for %s", type(failure.launched).__name__,
                     exc_info=True)
         return decision
 
 
-def _record_launch(launch, launched, failing, error, decision, started, log_path, described, phase):
+def _record_launch(failure: Failure, decision, log_path: Path | None):
+    launch, launched, failing, error = failure.launch, failure.launched, failure.failing, failure.error
     device = process.current_device()
     kernel = introspect.kernel_name(launch.jit if launch is not None else launched)
     extras: dict[str, Any] = {
@@ -47,10 +62,11 @@ def _record_launch(launch, launched, failing, error, decision, started, log_path
         "timings_ms": decision.timings,
     }
     if launch is not None and failing is not None:
-        extras.update(launch_fields(launch, failing, described))
+        extras.update(launch_fields(launch, failing, failure.described))
     record = Incident(
-        kernel=kernel, launched_as=type(launched).__name__, phase=phase, action=decision.action, final=decision.final,
-        resource=error.name, required=error.required, limit_hit=error.limit, started=started, device=device,
+        kernel=kernel, launched_as=type(launched).__name__, phase=failure.phase, action=decision.action,
+        final=decision.final, resource=error.name, required=error.required, limit_hit=error.limit,
+        started=failure.started, device=device,
         internal_steps=decision.internal_steps,
         internal_errors=sum(attempt.internal_error for attempt in decision.attempts) + len(decision.internal_steps),
         reason=decision.reason or None, attempts=attempt_records(decision.attempts),

@@ -34,6 +34,7 @@ from ..kernels.recorded import described_args
 from ..store import decision_cache, incidents
 from ..store.decision import CONFIG_CHANGED, FALLBACK, OBSERVED, RERAISED, STAGES_REDUCED, WARPS_REDUCED, Decision
 from . import ladder, recall, records
+from .records import Failure
 from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ class Decided:
             self._cases.clear()
 
 
-def _plan(engine, decision: Decision, launch: Launch, failing, error, steps: Steps) -> Callable[[], Any]:
+def _plan(engine, failure: Failure, decision: Decision, steps: Steps) -> Callable[[], Any]:
     """What runs now that ``decision`` is taken: the relaunch, the user's fallback, or the user's error."""
+    launch, failing, error = failure.launch, failure.failing, failure.error
     if decision.action in (STAGES_REDUCED, WARPS_REDUCED):
         with steps.required("replace in the JIT cache"):
             replace_in_jit_cache(launch, failing, decision.replacement, engine.notes)
@@ -142,17 +144,16 @@ def handle_warmup(engine, launched, grid, args, kwargs, compiled):
         error = overflow(compiled)
         if error is None:
             return compiled
-        started = time.perf_counter()
-        launch = resolve(launched, grid, args, kwargs)
+        failure = Failure(launched, grid, args, kwargs, error, time.perf_counter(), "warmup", failing=compiled)
+        launch = failure.launch = resolve(launched, grid, args, kwargs)
         if launch is None or launch.tuner is not None:  # timing a tuner's candidates would launch them
             return compiled
         case = engine.decided.case_for(launch, compiled)
         with case.lock:
             if case.decision is None:
-                described = described_args(launch)
+                failure.described = described_args(launch)
                 decision = _decide(engine, launch, compiled, error, Steps(introspect.kernel_name(launched)))
-                case.decision = records.record_launch(launch, launched, compiled, error, decision, started,
-                                                        engine.settings.log_path, described, phase="warmup")
+                case.decision = records.record_launch(failure, decision, engine.settings.log_path)
         if case.decision.action in (STAGES_REDUCED, WARPS_REDUCED):
             replace_in_jit_cache(launch, compiled, case.decision.replacement, engine.notes)
             return case.decision.replacement
@@ -181,36 +182,35 @@ def handle(engine, launched, grid, args, kwargs, error, again):
     that an error of smemguard's never replaces the user's error nor one of the user's own code. When
     a step fails, the record says which, and the user gets ``error`` itself, or where the step only
     saved work, the recovered launch. ``engine``: the install's, whose decisions are one per failing kernel."""
+    failure = Failure(launched, grid, args, kwargs, error, time.perf_counter())
     stored = recall.stored(error)
     if stored is not None:
-        return _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored)
-    started = time.perf_counter()
+        return _switch_as_stored(engine, failure, again, stored)
     steps = Steps(_layer_name(launched))
-    launch = failing = None
     try:
         with process.engine_compiling.scope():  # the variants it compiles are measured as they are
             with steps.required("resolve the launch"):
-                launch = resolve(launched, grid, args, kwargs)
-            if launch is not None:
+                failure.launch = resolve(launched, grid, args, kwargs)
+            if failure.launch is not None:
                 with steps.required("compile the failing launch"):
-                    failing = launch.compile()
-                engine.notes.note_failing_kernel(error, failing)
-            run = _recover(engine, launched, launch, failing, error, steps, started)
+                    failure.failing = failure.launch.compile()
+                engine.notes.note_failing_kernel(error, failure.failing)
+            run = _recover(engine, failure, steps)
     except StepFailed:
         run = None
     except Exception:
         steps.note("handle the failure")
         run = None
     if run is None:
-        records.record_launch(launch, launched, failing, error, Decision(
+        records.record_launch(failure, Decision(
             RERAISED, (), internal_steps=tuple(steps.failed),
             reason=f"smemguard's own step {steps.failed[-1]!r} failed (its bug: please report it); the original "
-                   "error is raised"), started, engine.settings.log_path)
+                   "error is raised"), engine.settings.log_path)
         raise error
     return run()
 
 
-def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored: tuple[str, dict]):
+def _switch_as_stored(engine, failure: Failure, again, stored: tuple[str, dict]):
     """``error`` was raised before the variant was compiled: the decision cache switches its tuner to
     another config (:func:`smemguard.engine.recall.remembered_compile`). Applied here with one compile, the
     stored config's, and no incident (it was decided before). Where it does not apply to this launch,
@@ -218,12 +218,13 @@ def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored
     that is recovered like any other."""
     from triton.runtime.errors import OutOfResources
 
+    launched = failure.launched
     steps = Steps(_layer_name(launched))
     decision = launch = None
     try:
         with process.engine_compiling.scope():  # the stored config is compiled and checked as it is
             with steps.required("resolve the launch"):
-                launch = resolve(launched, grid, args, kwargs)
+                launch = resolve(launched, failure.grid, failure.args, failure.kwargs)
             if launch is not None:
                 with steps.required("apply the stored config"):
                     decision = recall.switch(launch, *stored)
@@ -236,23 +237,24 @@ def _switch_as_stored(engine, launched, grid, args, kwargs, error, again, stored
             return again()
     except OutOfResources as real:
         real_error = real
-    return handle(engine, launched, grid, args, kwargs, real_error, again)
+    return handle(engine, launched, failure.grid, failure.args, failure.kwargs, real_error, again)
 
 
-def _recover(engine, launched, launch: Launch | None, failing, error, steps: Steps, started: float):
+def _recover(engine, failure: Failure, steps: Steps):
     """What runs for the failed launch (see :func:`_plan`), with its decision taken and recorded."""
-    settings = engine.settings
+    settings, launched, launch, failing, error = (engine.settings, failure.launched, failure.launch, failure.failing,
+                                                  failure.error)
     if launch is None:
         action = OBSERVED if settings.observe_only else RERAISED
-        decision = records.record_launch(None, launched, None, error, Decision(action, (), reason=(
+        decision = records.record_launch(failure, Decision(action, (), reason=(
             f"{_layer_name(launched)} is not a Triton JIT function, heuristics, or an autotuner whose run "
             "launches exactly what Autotuner.run does: it may launch more than one kernel, so it is not "
-            "retried")), started, settings.log_path)
+            "retried")), settings.log_path)
         incidents.add_note(error, lambda: f"smemguard did not retry {introspect.kernel_name(launched)}: "
                            f"{decision.reason}" + (f"; incident record: {decision.record}" if decision.record else ""))
         return functools.partial(_reraise, error)
     if settings.observe_only:
-        records.record_launch(launch, launched, failing, error, Decision(OBSERVED, ()), started, settings.log_path)
+        records.record_launch(failure, Decision(OBSERVED, ()), settings.log_path)
         return functools.partial(_reraise, error)
     # Another thread already put a kernel that fits in its place.
     fitting, case = False, _Case()
@@ -265,9 +267,8 @@ def _recover(engine, launched, launch: Launch | None, failing, error, steps: Ste
     with case.lock:
         if case.decision is None:
             # Described before candidates are tried: their pre_hooks rewrite TMA descriptors' block shapes.
-            described = None
             with steps.skippable("describe the arguments"):
-                described = described_args(launch)
+                failure.described = described_args(launch)
             decision = _decide(engine, launch, failing, error, steps)
             if steps.failed:
                 decision = dataclasses.replace(decision, internal_steps=tuple(steps.failed))
@@ -275,20 +276,17 @@ def _recover(engine, launched, launch: Launch | None, failing, error, steps: Ste
                 case.decision = decision
                 with steps.required("bind the fallback's arguments"):
                     named = _fallback_arguments(launch)
-                record = functools.partial(records.record_launch, launch, launched, failing, error,
-                                           started=started, log_path=settings.log_path, described=described)
+                record = functools.partial(records.record_launch, failure, log_path=settings.log_path)
                 return functools.partial(_run_fallback, decision, named, error, record)
             if decision.action == RERAISED and _chosen_again(launch, decision, steps):
                 case.decision, case.recorded = decision, False
                 return functools.partial(_reraise, error)
-            case.decision = records.record_launch(launch, launched, failing, error, decision, started,
-                                                    settings.log_path, described)
+            case.decision = records.record_launch(failure, decision, settings.log_path)
         elif not case.recorded:
             if _chosen_again(launch, case.decision, steps):
                 return functools.partial(_reraise, error)
-            case.decision, case.recorded = records.record_launch(launch, launched, failing, error, case.decision,
-                                                                   started, settings.log_path), True
-    return _plan(engine, case.decision, launch, failing, error, steps)
+            case.decision, case.recorded = records.record_launch(failure, case.decision, settings.log_path), True
+    return _plan(engine, failure, case.decision, steps)
 
 
 def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:
