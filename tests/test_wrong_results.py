@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import smemguard
 from smemguard.cli import commands
@@ -216,3 +217,24 @@ def test_alternatives_run_only_where_the_grid_follows_them_and_c_is_whole(instal
     else:
         assert error is None and record["action"] == "config_changed" and len(gpu.launches) == 1
         assert gpu.launches[0].grid == ((4, 1, 1) if persistent else (8, 8, 1))
+
+
+@triton.jit
+def _loop_bound_rounded_to_a_tile(x_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = tl.program_id(0)
+    end = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # LMDeploy's causal loop bound: a rounding, not a step
+    for _ in range(0, end, BLOCK_N):
+        offs = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_the_tiles_a_grid_must_follow_are_those_the_program_ids_step_over():
+    import kernels
+
+    from smemguard.kernels import parameters
+
+    matmul = parameters.program_tiles(kernels.matmul_kernel)
+    assert {"BLOCK_M", "BLOCK_N"} <= matmul and "BLOCK_K" not in matmul, "pid_m * BLOCK_M, pid_n * BLOCK_N; K is looped"
+    persistent = parameters.program_tiles(kernels.vllm_style_persistent_matmul)
+    assert {"BLOCK_SIZE_M", "BLOCK_SIZE_N"} <= persistent, "through the tile id a persistent program loops over"
+    assert parameters.program_tiles(_loop_bound_rounded_to_a_tile) & {"BLOCK_M", "BLOCK_N"} == {"BLOCK_M"}

@@ -144,27 +144,39 @@ _read_so_far = ByIdentity(1024)
 def program_tiles(jit) -> frozenset | None:
     """The parameters the kernel's program ids step over (``pid_m * BLOCK_M``, with ``pid_m`` computed from
     ``tl.program_id`` directly or through other names, a loop over them, a call given them): the tiles its grid must
-    be computed from, since a smaller one leaves programs out. In the kernel's own body (a product inside a function
-    it calls is not seen); None when its source cannot be read."""
+    be computed from, since a smaller one leaves programs out. A product with a value that was divided by the same
+    parameter is a rounding, not a step (``(start_m * BLOCK_M) // BLOCK_N * BLOCK_N``, a loop's bound). In the kernel's
+    own body (a product inside a function it calls is not seen); None when its source cannot be read."""
     try:
         source = parsed(jit)
     except Exception:  # an unreadable source: nothing known
         return None
     if source is None:
         return None
-    from_programs: set[str] = set()
+    parameters = set(source.params)
+    divided: dict[str, set[str]] = {}  # a name computed from a program id -> the parameters it was divided by
 
-    def computed_from_programs(expression: ast.AST) -> bool:
-        pending = [expression]
-        while pending:
-            node = pending.pop()
-            if isinstance(node, ast.Call) and _called_attribute(node) in _LOADS:
-                continue  # what is loaded is data, not where a program is
-            if (isinstance(node, ast.Call) and _called_attribute(node) == "program_id") or (
-                    isinstance(node, ast.Name) and node.id in from_programs):
-                return True
-            pending.extend(ast.iter_child_nodes(node))
-        return False
+    def from_programs(node: ast.AST) -> set[str] | None:
+        """The parameters a value computed from a program id was divided by on its way to ``node``; None when
+        ``node`` is not computed from a program id."""
+        if isinstance(node, ast.Call) and _called_attribute(node) in _LOADS:
+            return None  # what is loaded is data, not where a program is
+        if isinstance(node, ast.Call) and _called_attribute(node) == "program_id":
+            return set()
+        if isinstance(node, ast.Name):
+            return set(divided[node.id]) if node.id in divided else None
+        divisor = None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.FloorDiv, ast.Div)):
+            divisor = node.right
+        elif isinstance(node, ast.Call) and _called_attribute(node) == "cdiv" and len(node.args) == 2:
+            divisor = node.args[1]
+        found = [divisors for child in ast.iter_child_nodes(node) if (divisors := from_programs(child)) is not None]
+        if not found:
+            return None
+        divisors = set().union(*found)
+        if isinstance(divisor, ast.Name) and divisor.id in parameters:
+            divisors.add(divisor.id)
+        return divisors
 
     bindings = [(node.iter if isinstance(node, ast.For) else node.value,
                  node.targets if isinstance(node, ast.Assign) else [node.target])
@@ -174,14 +186,21 @@ def program_tiles(jit) -> frozenset | None:
     while grown:  # a name computed from one computed from a program id, to any depth
         grown = False
         for value, targets in bindings:
-            if computed_from_programs(value):
-                for name in (node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name)):
-                    grown |= name not in from_programs
-                    from_programs.add(name)
-    parameters = set(source.params)
-    return frozenset(one.id for node in source.nodes() if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
-                     for one, other in ((node.left, node.right), (node.right, node.left))
-                     if isinstance(one, ast.Name) and one.id in parameters and computed_from_programs(other))
+            divisors = from_programs(value)
+            if divisors is None:
+                continue
+            for name in (node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name)):
+                if name not in divided or not divisors <= divided[name]:
+                    divided[name] = divided.get(name, set()) | divisors
+                    grown = True
+    tiles = set()
+    for node in source.nodes():
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for one, other in ((node.left, node.right), (node.right, node.left)):
+                divisors = from_programs(other) if isinstance(one, ast.Name) and one.id in parameters else None
+                if divisors is not None and one.id not in divisors:
+                    tiles.add(one.id)
+    return frozenset(tiles)
 
 
 #: Calls whose result is data read from memory (a value, not an index).
