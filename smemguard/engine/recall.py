@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 from ..facts import process
 from ..kernels import introspect, registry, variants
@@ -47,13 +48,15 @@ def ignored(key: str, why: str) -> None:
                       "nothing were stored", key, why)
 
 
-def stored_entry(directory: Path | None, tables: tuple[str, ...], key: str) -> tuple[str, dict] | None:
+def stored_entry(directory: Path | None, tables: tuple[str, ...], key: str | Callable[[], str]
+                 ) -> tuple[str, dict] | None:
     """(table, entry) the decision cache in ``directory`` holds for ``key``, from the first of ``tables`` that has
     one; None when none does, or there is no decision cache. One stat of the file when it holds none of ``tables``
-    (what a healthy compile or load pays)."""
+    (what a healthy compile or load pays): a ``key`` to compute (a callable) is computed only past it."""
     store = decision_cache.store(directory)
     if store is None or not any(store.holds(table) for table in tables):
         return None
+    key = key() if callable(key) else key
     return next(((table, entry) for table in tables if (entry := store.get(table, key)) is not None), None)
 
 
@@ -177,14 +180,14 @@ def remembered_compile(jit, source, device: int, options, directory: Path | None
     switches to another config (:func:`smemguard.engine.recall.switch` applies it at the launch guard). Never while
     :data:`compiling_as_asked`.
     """
-    if compiling_as_asked or decision_cache.store(directory) is None:
+    if compiling_as_asked:
         return None
-    variant = variants.variant_id(source, options.__dict__)
-    key = decision_cache.case_id(variants.device_case(jit, variant, device))
-    found = stored_entry(directory, ("compile", "launch"), key)
+    key_of = functools.cache(lambda: decision_cache.case_id(  # hashed only where the cache holds such entries
+        variants.device_case(jit, variants.variant_id(source, options.__dict__), device)))
+    found = stored_entry(directory, ("compile", "launch"), key_of)
     if found is None:
         return None
-    table, entry = found
+    (table, entry), key = found, key_of()
     benchmarking = bool(process.benchmarking)
     if table == "compile":
         why = options_problem(entry["options"], options.num_stages, options.num_warps,
