@@ -31,8 +31,12 @@ def __getattr__(name):
         from .kernels import pruning
 
         return getattr(pruning, name)
-    if name in ("tile_choice", "tiles_at_launch", "rerun_on_overflow"):  # for wrappers; imports Triton when used
+    if name in ("tile_choice", "tiles_at_launch"):  # for wrappers; imports Triton when used
         from .engine import wrapper_tiles
 
         return getattr(wrapper_tiles, name)
+    if name == "rerun_on_overflow":
+        from .engine import wrapper_rerun
+
+        return wrapper_rerun.rerun_on_overflow
     raise AttributeError(f"module 'smemguard' has no attribute {name!r}")

@@ -26,7 +26,6 @@ SOURCES = {
     record_fields.COMPILE: "engine/compile_fit.py",
     record_fields.INDUCTOR: "engine/inductor.py",
     record_fields.FLEX: "engine/flex.py",
-    record_fields.PATCHED_WRAPPER: "patches/contrib/_retried_wrapper.py",
     record_fields.DECLARED_WRAPPER: "engine/wrapper_outcomes.py",
     record_fields.DEEPGEMM: "engine/deepgemm.py",
 }

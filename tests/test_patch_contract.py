@@ -75,8 +75,8 @@ STAND_INS = {
             return 64
 
         def context_attention_fwd(q, k, v, o, *args, **kwargs):
-            Lk = k.shape[-1]
-            return get_block_size(q.dtype), Lk
+            BLOCK = get_block_size(q.dtype)
+            return BLOCK, _fwd_kernel
         """),
     "vllm/v1/attention/backends/__init__.py": "",
     "vllm/v1/attention/backends/triton_attn.py":

@@ -34,7 +34,7 @@ PROCESS_STATE = {
 THREAD_SCOPED = {
     "facts/process.py": {"launching", "benchmarking", "device_as_is", "engine_compiling"},
     "engine/recall.py": {"compiling_as_asked"},
-    "engine/wrapper_tiles.py": {"_running"},
+    "engine/wrapper_tiles.py": {"running"},
 }
 
 #: Declarations: the demo's Triton kernels, and a type alias.

@@ -225,6 +225,52 @@ def test_a_choice_of_several_tiles_halves_the_largest_together_and_stores_them_a
     assert (entry["value"], entry["tile"]) == ([64, 64], "BLOCK_M,BLOCK_N")
 
 
+@smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M",
+                      smallest=lambda shape: 64 if shape["kind"] == "narrow" else 32,
+                      launch_shape=lambda launched: {"rows": launched["M"],
+                                                     "kind": "narrow" if launched["BLOCK_N"] == 64 else "wide"})
+def block_m_of_kind(rows: int, kind: str) -> int:
+    """A choice the wrapper asks twice, once per kind of launch, with equal answers (as vLLM's unified attention
+    asks its prefill and its decode tile); the launch's BLOCK_N tells which answer it took."""
+    return 128
+
+
+@smemguard.rerun_on_overflow(block_m_of_kind)
+def matmul_of_kind(a, b, c, narrow: bool):
+    wide_m, narrow_m = block_m_of_kind(a.shape[0], "wide"), block_m_of_kind(a.shape[0], "narrow")
+    block_m, block_n = (narrow_m, 64) if narrow else (wide_m, 128)
+    grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(b.shape[1], block_n))
+    matmul_kernel[grid](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_stages=1)
+
+
+def test_a_choice_asked_twice_learns_for_the_answer_the_failing_launch_took(install_guard, incident_log, tmp_path,
+                                                                            triton_cache):
+    """The narrow launch (128x64x64: 24576 B) does not fit 20000 B; 64x64x64 (16384 B) does. Its shape class is
+    the narrow answer's, read back from the launch (the first answer, the wide one, has the same tile)."""
+    install_guard(cache_dir=tmp_path / "decisions")
+    with fake_gpu("L4", max_shared=20000, cache_dir=triton_cache) as gpu:
+        matmul_of_kind(*operands(), narrow=True)
+        assert [(launch.grid, launch.shared) for launch in gpu.launches] == [((4, 4, 1), 16384)]
+    [chosen] = records(incident_log)
+    assert (chosen["action"], chosen["final"]) == ("tiles_reduced", "BLOCK_M=64")
+    assert chosen["shape_class"] == {"rows": N, "kind": "narrow"}, "the answer the failing launch took"
+    [entry] = json.loads((tmp_path / "decisions" / "decisions.json").read_text())["tiles"].values()
+    assert entry["shape"] == [["rows", N], ["kind", "narrow"]]
+
+
+def test_the_smallest_tile_may_depend_on_the_shape_class(install_guard, incident_log, triton_cache):
+    """At 12000 B neither 128 nor 64 fits the narrow launch, and its class allows nothing below 64 (the wide one
+    would go on to 32): the caller's error, with the tiles tried."""
+    install_guard()
+    with fake_gpu("L4", max_shared=12000, cache_dir=triton_cache), pytest.raises(OutOfResources) as caught:
+        matmul_of_kind(*operands(), narrow=True)
+    assert (caught.value.required, caught.value.limit) == (24576, 12000), "the first error, the caller's own"
+    [record] = records(incident_log)
+    assert record["action"] == "reraised" and "even BLOCK_M=64, the smallest declared" in record["reason"]
+    assert [attempt.get("config") or attempt["changes"] for attempt in record["attempts"]] == [
+        "BLOCK_M=128", "BLOCK_M=64"]
+
+
 def test_tiles_chosen_inline_are_lowered_at_the_launch_with_the_grid_the_declaration_computes(
         install_guard, incident_log, triton_cache):
     """A wrapper with no choice function: the kernel declared where it launches, its grid rule given."""
@@ -265,6 +311,8 @@ def test_the_declarations_refuse_what_cannot_be_a_tile_choice():
         smemguard.tile_choice(kernel=matmul_kernel, tile=("BLOCK_M", "BLOCK_N"), at=(1,))
     with pytest.raises(TypeError, match="grid and shape must be functions"):
         smemguard.tiles_at_launch(matmul_kernel, tile="BLOCK_M", grid=(1,), shape=dict)
+    with pytest.raises(TypeError, match="launch_shape must be a function"):
+        smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M", launch_shape={"rows": 1})
 
 
 @pytest.mark.gpu

@@ -156,40 +156,6 @@ class Engine:
             log.debug("smemguard: no DeepGEMM schedule fallback", exc_info=True)
             return None
 
-    def holds_tiles(self) -> bool:
-        """Whether the decision cache holds tiles some wrapper learnt (False when it cannot be read)."""
-        from . import wrapper_outcomes
-
-        try:
-            return wrapper_outcomes.tiles_stored(self.settings)
-        except Exception:  # an unreadable decision cache: this process learns its own
-            log.debug("smemguard: could not read the decision cache's tiles", exc_info=True)
-            return False
-
-    def learnt_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], shape: tuple,
-                     answered: tuple, smallest: int) -> tuple | None:
-        """The ``tiles`` another process learnt for ``wrapper``'s ``shape`` class ((name, value) pairs) on this
-        device, where they are a halving of the tiles ``choice`` ``answered``; None when none (or unreadable)."""
-        from . import wrapper_outcomes
-
-        try:
-            return wrapper_outcomes.recall_tiles(
-                self.settings, wrapper_outcomes.tile_case(wrapper, jits, choice, tiles, shape), answered, smallest)
-        except Exception:  # an unreadable decision cache: the wrapper's own choice
-            log.debug("smemguard: could not read the tiles learnt for %s", wrapper, exc_info=True)
-            return None
-
-    def keep_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], shape: tuple,
-                   kept: tuple, *, from_config: str, required: int, steps: Steps) -> None:
-        """Keep the ``tiles`` that fit (``kept``) for ``wrapper``'s ``shape`` class, for the next process."""
-        from . import wrapper_outcomes
-
-        with steps.skippable("describe the tiles for the decision cache"):
-            wrapper_outcomes.remember_tiles(
-                self.settings, wrapper_outcomes.tile_case(wrapper, jits, choice, tiles, shape),
-                from_config=from_config,
-                required=required, tiles=kept, steps=steps)
-
     def close(self) -> None:
         """Pass everything through from now on; forget the decisions taken, what the patches and declared wrappers
         learnt (:attr:`memory`), and the kernels put into Triton's JIT caches."""

@@ -292,9 +292,9 @@ def _recover(engine, failure: Failure, steps: Steps):
 def _chosen_again(launch: Launch, decision: Decision, steps: Steps) -> bool:
     """Whether a wrapper declared with :mod:`.wrapper_tiles` chose these tiles in the call running on this
     thread: it then runs again with smaller ones and records the outcome (one record per call, not two)."""
-    from . import wrapper_tiles  # imported by the declaring library, never on a healthy launch's path
+    from . import wrapper_rerun  # imported by the declaring library, never on a healthy launch's path
 
     needed = [attempt.required for attempt in decision.attempts if attempt.required]
     with steps.skippable("ask the declared wrapper"):
-        return wrapper_tiles.chooses_again(launch.jit, launch.named_args(), min(needed, default=None))
+        return wrapper_rerun.chooses_again(launch.jit, launch.named_args(), min(needed, default=None))
     return False

@@ -30,7 +30,7 @@ class Outcome:
 
     wrapper: Callable
     name: str  # the wrapper's module:qualname
-    declaration: Any  # smemguard.engine.wrapper_tiles._Declaration
+    declaration: Any  # smemguard.engine.wrapper_tiles.Declaration
     jit: Any  # the kernel that did not fit
     shape: tuple
     error: BaseException  # the caller's own: the first launch's OutOfResources
@@ -154,7 +154,7 @@ def tiles_stored(settings) -> bool:
 def stored_tiles(declaration, wrapper: str, shape: tuple, answered: tuple, settings) -> tuple | None:
     """The tiles the decision cache holds for ``wrapper``'s ``shape`` on this device (:func:`recall_tiles`)."""
     return recall_tiles(settings, tile_case(wrapper, declaration.jits, declaration.name, declaration.tiles, shape),
-                        answered, declaration.smallest)
+                        answered, declaration.smallest_for(shape))
 
 
 def tile_case(wrapper: str, jits: tuple, choice: str, tiles: tuple[str, ...], shape: tuple) -> dict:

@@ -28,6 +28,8 @@ tolerances otherwise). What smemguard enforces: the error must come from a launc
 must be the one the choice answered, the wrapper is run again at most ``log2(tile / smallest)`` times, an error
 of anything else (another kernel, a later launch's different error) reaches the caller as raised, and nothing is
 run again in observe mode or without ``install()``.
+
+This module holds the declarations and what they learnt; :mod:`.wrapper_rerun` runs a declared wrapper again.
 """
 
 from __future__ import annotations
@@ -36,26 +38,21 @@ import dataclasses
 import functools
 import inspect
 import logging
-import sys
 import threading
-import time
 from typing import Any, Callable
 
 import wrapt
 
 from ..facts import process
 from ..kernels import introspect
-from ..kernels.launch import Attempt
 from ..store import tile_entries
-from ..store.decision import SHARED
 from . import wrapper_outcomes
-from .steps import StepFailed, Steps
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
     """One running call of a declared wrapper: its name, and every tile a declaration answered in it."""
 
     wrapper: str
@@ -84,11 +81,11 @@ class _Learnt:
 
 
 class _Running(threading.local):
-    call: _Call | None = None  # the innermost declared wrapper's call on this thread (a class default: a missing
+    call: Call | None = None  # the innermost declared wrapper's call on this thread (a class default: a missing
     # attribute's AttributeError would cost a healthy choice more than everything else it does)
 
 
-_running = _Running()
+running = _Running()
 
 
 def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
@@ -97,8 +94,8 @@ def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
     if not names or not all(isinstance(name, str) and name.isidentifier() for name in names) \
             or len(set(names)) != len(names):
         raise TypeError(f"tile must name the kernel's constexpr (or a tuple of them), not {tiles!r}")
-    if type(smallest) is not int or smallest < 1:
-        raise TypeError(f"smallest must be a positive integer, not {smallest!r}")
+    if not callable(smallest) and (type(smallest) is not int or smallest < 1):
+        raise TypeError(f"smallest must be a positive integer or a function of the shape class, not {smallest!r}")
     jits = []
     for kernel in kernels:
         jit = introspect.declared_kernel(kernel)
@@ -111,25 +108,32 @@ def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
     return tuple(jits), names
 
 
-def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int = 16,
-                at: int | tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], TileChoice]:
+def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int | Callable[[dict], int] = 16,
+                at: int | tuple[int, ...] | None = None,
+                launch_shape: Callable[[dict], dict] | None = None) -> Callable[[Callable[..., Any]], TileChoice]:
     """Declare the decorated function as where a wrapper chooses ``kernel``'s ``tile`` (a constexpr the launch
     passes by name; a tuple of them when the function chooses several; ``kernel`` a tuple of kernels when the
     library's wrappers launch different ones with the same choice). ``smallest``: the least tile the kernels may
-    take (16 for ``tl.dot``). ``at``: where the tiles are in the tuple the function returns (a library's function
-    that returns its whole launch configuration); None: it returns the tile itself."""
+    take (16 for ``tl.dot``), or a function of the shape class (the choice's arguments by name, dtypes by name)
+    that gives it. ``at``: where the tiles are in the tuple the function returns (a library's function that
+    returns its whole launch configuration); None: it returns the tile itself. ``launch_shape``: for a wrapper that
+    asks the choice more than once in a call, for different launches, the choice's arguments (by name) that a
+    launch's tiles came from, given the launch's arguments by the kernel's parameter names; without it a launch
+    takes the first answer with its tiles."""
     jits, names = _checked(kernel if isinstance(kernel, (tuple, list)) else (kernel,), tile, smallest)
+    if launch_shape is not None and not callable(launch_shape):
+        raise TypeError(f"launch_shape must be a function of the launch's arguments, not {launch_shape!r}")
     positions = None if at is None else (at,) if type(at) is int else tuple(at) if isinstance(at, (tuple, list)) \
         else ()
     if positions is not None and (len(positions) != len(names) or not all(type(index) is int for index in positions)):
         raise TypeError(f"at must give one position in the returned tuple per tile ({len(names)}), not {at!r}")
     if positions is None and len(names) > 1:
         raise TypeError("a function that chooses several tiles returns a tuple: say where each one is with at=")
-    return lambda function: TileChoice(function, jits, names, smallest, positions)
+    return lambda function: TileChoice(function, jits, names, smallest, positions, launch_shape)
 
 
 def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tuple, dict, dict], tuple],
-                    shape: Callable[[tuple, dict], dict], smallest: int = 16) -> Any:
+                    shape: Callable[[tuple, dict], dict], smallest: int | Callable[[dict], int] = 16) -> Any:
     """``kernel`` for a wrapper that chooses its tiles inline (no function to declare): use what this returns
     in place of the kernel. Inside a call of a wrapper declared with it, a launch answers the tiles learnt for
     its shape class: ``shape(args, kwargs)`` of the launch (a dict of plain values: what the tiles depend on),
@@ -141,22 +145,39 @@ def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tupl
     return _LaunchLayer(kernel, LaunchTiles(jits, names, smallest, grid, shape, introspect.kernel_name(jits[0])))
 
 
-class _Declaration:
+class Declaration:
     """Where a wrapper's tiles for one kernel come from. What the install and the decision cache learnt for them,
     per (wrapper, device, limit, shape class), is in the engine's memory (:data:`MEMORY`): libraries declare at
     import, before any install."""
 
-    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest: int, name: str):
+    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest, name: str,
+                 launch_shape: Callable[[dict], dict] | None = None):
         self.jits, self.tiles, self.smallest, self.name = jits, tiles, smallest, name
+        self._launch_shape = launch_shape
 
-    def lowered(self, call: _Call, shape: tuple, answered: tuple) -> tuple:
+    def lowered(self, call: Call, shape: tuple, answered: tuple) -> tuple:
         """``answered`` with each tile no larger than the one learnt for the shape class."""
         known = self._known_tiles(call.engine, call.wrapper, shape, answered)
         return answered if known is None else tuple(min(pair) for pair in zip(answered, known))
 
-    def smaller(self, tiles: tuple) -> tuple | None:
-        """The next tiles to try (:func:`smemguard.store.tile_entries.halved`), or None below ``smallest``."""
-        return tile_entries.halved(tiles, self.smallest)
+    def smallest_for(self, shape: tuple) -> int:
+        """The least tile the kernels may take for the shape class."""
+        return self.smallest(dict(shape)) if callable(self.smallest) else self.smallest
+
+    def smaller(self, tiles: tuple, shape: tuple) -> tuple | None:
+        """The next tiles to try (:func:`smemguard.store.tile_entries.halved`), or None below the smallest."""
+        return tile_entries.halved(tiles, self.smallest_for(shape))
+
+    def took(self, shape: tuple, launched: dict) -> bool:
+        """Whether a launch with the ``launched`` arguments (by the kernel's parameter names) took the tiles this
+        declaration answered for ``shape`` (always, unless the declaration says which answer a launch takes)."""
+        if self._launch_shape is None:
+            return True
+        try:
+            return dict(plain_shape(self._launch_shape(launched).items()) or ()) == dict(shape)
+        except Exception:  # the declaration cannot tell: not this answer's launch
+            log.debug("smemguard: could not read the shape class of a launch for %s", self.name, exc_info=True)
+            return False
 
     def label(self, tiles: tuple) -> str:
         return tile_entries.label(self.tiles, tiles)
@@ -223,14 +244,14 @@ def plain_shape(arguments) -> tuple | None:
     return tuple(shape)
 
 
-class TileChoice(_Declaration):
+class TileChoice(Declaration):
     """A library's tile choice function, lowered inside its declared wrappers to the tiles learnt for a shape class
     (its arguments) on this device's arch and limit."""
 
-    def __init__(self, function: Callable[..., Any], jits: tuple, tiles: tuple[str, ...], smallest: int,
-                 positions: tuple[int, ...] | None):
+    def __init__(self, function: Callable[..., Any], jits: tuple, tiles: tuple[str, ...], smallest,
+                 positions: tuple[int, ...] | None, launch_shape: Callable[[dict], dict] | None = None):
         functools.update_wrapper(self, function)
-        super().__init__(jits, tiles, smallest, introspect.callable_name(function))
+        super().__init__(jits, tiles, smallest, introspect.callable_name(function), launch_shape)
         self.function, self.positions = function, positions
         self._signature = inspect.signature(function)
         self._names = tuple(self._signature.parameters)
@@ -239,7 +260,7 @@ class TileChoice(_Declaration):
 
     def __call__(self, *args, **kwargs):
         answer = self.function(*args, **kwargs)
-        call = _running.call
+        call = running.call
         if call is None:  # not inside a declared wrapper: the library's own answer
             return answer
         try:
@@ -273,15 +294,15 @@ def _replaced(answer: tuple, positions: tuple[int, ...], tiles: tuple) -> tuple:
     return answer._make(replaced) if hasattr(answer, "_make") else type(answer)(replaced)
 
 
-class LaunchTiles(_Declaration):
+class LaunchTiles(Declaration):
     """Tiles a wrapper chose inline, lowered at its kernel's launch, with the grid the declaration computes."""
 
-    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest: int, grid: Callable, shape: Callable,
+    def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest, grid: Callable, shape: Callable,
                  name: str):
         super().__init__(jits, tiles, smallest, name)
         self._grid, self._shape = grid, shape
 
-    def launch(self, kernel, call: _Call, grid, args: tuple, kwargs: dict):
+    def launch(self, kernel, call: Call, grid, args: tuple, kwargs: dict):
         """``kernel[grid](*args, **kwargs)`` inside a declared call, with the tiles learnt for its shape class."""
         try:
             answered = tuple(kwargs[name] for name in self.tiles)
@@ -309,184 +330,11 @@ class _LaunchLayer(wrapt.ObjectProxy):
         self._self_tiles = tiles
 
     def __getitem__(self, grid):
-        call = _running.call
+        call = running.call
         if call is None:
             return self.__wrapped__[grid]
         return functools.partial(_launch_with, self._self_tiles, self.__wrapped__, call, grid)
 
 
-def _launch_with(tiles: LaunchTiles, kernel, call: _Call, grid, *args, **kwargs):
+def _launch_with(tiles: LaunchTiles, kernel, call: Call, grid, *args, **kwargs):
     return tiles.launch(kernel, call, grid, args, kwargs)
-
-
-def _in_use(engine) -> bool:
-    """Whether a call of a declared wrapper needs bookkeeping (:data:`IN_USE`)."""
-    table = engine.memory.table(MEMORY)
-    in_use = table.get(IN_USE)
-    if in_use is None:
-        try:
-            in_use = wrapper_outcomes.tiles_stored(engine.settings)
-        except Exception:  # no store to read: only what this install learns
-            log.debug("smemguard: could not read the decision cache for tiles", exc_info=True)
-            in_use = False
-        in_use = table.setdefault(IN_USE, in_use)  # tiles learnt meanwhile stay in use
-    return in_use
-
-
-def _overflow(error: BaseException) -> bool:
-    from triton.runtime.errors import OutOfResources
-
-    return isinstance(error, OutOfResources) and error.name == SHARED
-
-
-def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> Callable[[Callable], Callable]:
-    """Declare the decorated wrapper safe to run again from its start when the first launch of a kernel whose tiles
-    one of ``choices`` (``smemguard.tile_choice`` functions, ``smemguard.tiles_at_launch`` kernels) chose cannot
-    fit (the contract: this module's docstring). ``fallback``: called with the wrapper's own arguments when not
-    even the smallest tiles fit, it computes the wrapper's result another way (torch), or returns
-    ``NotImplemented`` for arguments it does not cover (the caller then gets its own error)."""
-    declarations = tuple(getattr(choice, "_self_tiles", choice) for choice in choices)
-    if not declarations or not all(isinstance(declaration, _Declaration) for declaration in declarations):
-        raise TypeError("rerun_on_overflow takes the smemguard.tile_choice functions or smemguard.tiles_at_launch "
-                        "kernels the wrapper chooses tiles with")
-    if fallback is not None and not callable(fallback):
-        raise TypeError(f"fallback must be callable, not {type(fallback).__name__}")
-
-    def decorate(wrapper: Callable) -> Callable:
-        name = introspect.callable_name(wrapper)
-
-        @functools.wraps(wrapper)
-        def rerunnable(*args, **kwargs):
-            engine = process.installed_engine()
-            if engine is None or engine.settings.observe_only:
-                return wrapper(*args, **kwargs)
-            if _in_use(engine):
-                return _run(wrapper, name, declarations, fallback, engine, args, kwargs)
-            try:
-                return wrapper(*args, **kwargs)
-            except Exception as error:
-                if not _overflow(error):
-                    raise
-                failure = error
-            # Outside the except block: the caller's error, if it stands, is raised unchained.
-            return _run(wrapper, name, declarations, fallback, engine, args, kwargs, failure)
-
-        return rerunnable
-
-    return decorate
-
-
-def _recorded_call(wrapper: Callable, name: str, engine, args: tuple, kwargs: dict
-                   ) -> tuple[Any, BaseException | None, _Call]:
-    """(result, the shared-memory overflow the call raised or None, the tiles chosen in it)."""
-    outer, call = _running.call, _Call(name, engine)
-    _running.call = call
-    try:
-        return wrapper(*args, **kwargs), None, call
-    except Exception as error:
-        if not _overflow(error):
-            raise
-        return None, error, call
-    finally:
-        _running.call = outer
-
-
-def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, args: tuple, kwargs: dict,
-         unrecorded: BaseException | None = None):
-    """The call, run again with smaller tiles while a declaration's kernel is the launch that does not fit.
-    ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tiles it chose
-    (the contract makes that safe: it failed at its first launch)."""
-    result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
-    if error is None:
-        return result
-    original, started, steps, failed, step = unrecorded or error, time.perf_counter(), Steps(name), [], None
-    with steps.skippable("read the failed launch"):
-        step = _failed_choice(declarations, call, error, engine)
-    if step is None:
-        raise original  # not a launch of a declared kernel at the tiles declared for it: the caller's error
-    declaration, shape, tiles, kernel = step
-    known = declaration.exhausted(engine, name, shape)
-    if known is not None:  # decided and recorded before in this process
-        return wrapper_outcomes.nothing_fits(known, fallback, original, args, kwargs)
-    outcome = wrapper_outcomes.Outcome(wrapper, name, declaration, kernel, shape, original, failed, None, started,
-                                       engine, steps)
-    while True:
-        failed.append(Attempt(declaration.label(tiles), error.required, error.limit, False))
-        smaller = declaration.smaller(tiles)
-        if smaller is None:  # nothing smaller may run: the wrapper's fallback, or its own tiles again and its error
-            outcome.least = call.least
-            reason = None
-            with steps.skippable("explain the failure"):
-                reason = outcome.reason(fallback, error)
-            if reason is not None:
-                with steps.skippable("remember the failure"):
-                    declaration.exhaust(engine, name, shape, reason)
-            return outcome.decided(reason, fallback, args, kwargs)
-        try:
-            with steps.required("learn the tiles"):
-                declaration.learn(engine, name, shape, smaller)
-        except StepFailed:
-            raise original from None
-        result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
-        if error is None:
-            break
-        step = None
-        with steps.skippable("read the failed launch"):
-            step = _failed_choice(declarations, call, error, engine)
-        if step is None or step[:2] != (declaration, shape):
-            raise error  # a later launch failed after the kernel ran: the call is not run again
-        tiles = step[2]
-    outcome.reduced(smaller)
-    return result
-
-
-def _failed_choice(declarations: tuple, call: _Call, error, engine) -> tuple | None:
-    """(declaration, shape class, tiles, kernel) when ``error`` came from a launch of a declared kernel with the
-    tiles a declaration answered in ``call`` (each passed by name); else None."""
-    kernel, launched = _failed_launch(error, engine)
-    chosen = _chosen(call, kernel, launched, declarations)
-    return None if chosen is None else (*chosen, kernel)
-
-
-def _chosen(call: _Call, jit, launched: dict, declarations: tuple | None = None) -> tuple | None:
-    """(declaration, shape class, tiles) answered in ``call`` for this launch of ``jit`` with the ``launched``
-    constexprs, by one of ``declarations`` (None: any); else None."""
-    return next(((declaration, shape, tiles) for declaration, shape, tiles in call.chosen
-                 if (declarations is None or declaration in declarations)
-                 and any(jit is declared for declared in declaration.jits)
-                 and all(launched.get(name, _UNKNOWN) == tile for name, tile in zip(declaration.tiles, tiles))),
-                None)
-
-
-def chooses_again(jit, launched: dict, least: int | None) -> bool:
-    """Whether a declared wrapper running on this thread chose the tiles of this launch of ``jit`` that no stage
-    count fits (the launch guard asks): it then chooses again and records the outcome, and the guard re-raises
-    with no record of its own. ``least``: the least bytes the guard's candidates needed, for that record."""
-    call = _running.call
-    if call is None:
-        return _first_call_on_stack(jit)
-    if _chosen(call, jit, launched) is None:
-        return False
-    call.least = least
-    return True
-
-
-def _first_call_on_stack(jit) -> bool:
-    """A declared wrapper's call made without bookkeeping (nothing learnt yet: a healthy call costs a ``try``) is
-    on this thread's stack, declared for ``jit``: it runs again with bookkeeping, which checks the tiles."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "rerunnable" and frame.f_code.co_filename == __file__:
-            declarations = frame.f_locals.get("declarations", ())
-            return any(jit is declared for declaration in declarations for declared in declaration.jits)
-        frame = frame.f_back
-    return False
-
-
-def _failed_launch(error, engine) -> tuple[Any, dict]:
-    """(the Triton kernel whose launch raised ``error``, the arguments it was launched with by name), as the launch
-    guard saw that launch (``engine.notes.failed_launch``); (None, {}) for an error no guarded launch raised."""
-    kernel, _, _, launched = engine.notes.failed_launch(error) or (None, None, (), {})
-    jit = introspect.jit_function(kernel) if kernel is not None else None
-    return (jit, launched) if jit is not None and hasattr(jit, "arg_names") else (None, {})
-

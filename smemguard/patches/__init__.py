@@ -2,7 +2,7 @@
 
 The modules sit in a folder per kind of target (``triton_seams``, ``torch_seams``, ``contrib``: different risk,
 different release cadence). Each defines ``PATCH``, a :class:`Patch` (or a class built on it:
-:class:`~.contrib._retried_wrapper.RetriedWrapper`, :class:`~.contrib._declared_wrappers.DeclaredWrappers`): the
+:class:`~.contrib._declared_wrappers.DeclaredWrappers`): the
 contract as data (what it patches, the modules whose import applies it, the releases it was checked against, whether
 it is safe in observe mode, which settings want it, its layers) and one implementation of ``patch(engine)``,
 ``unpatch()`` and ``is_patched()`` for all of them. ``engine`` is the installed engine (:class:`Port` says what a
@@ -127,18 +127,6 @@ class Port(Protocol):
     def on_deepgemm_refusal(self, call_of: Callable[[], Any], deep_gemm_of: Callable[[], Any], error) -> Any:
         """The schedule computed in torch when ``error`` is DeepGEMM refusing the batch for shared memory (recorded
         and remembered), or None: the error stands."""
-
-    def holds_tiles(self) -> bool:
-        """Whether the decision cache holds tiles some wrapper learnt."""
-
-    def learnt_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple, shape: tuple, answered: tuple,
-                     smallest: int) -> tuple | None:
-        """The ``tiles`` another process learnt for ``wrapper``'s ``shape`` class ((name, value) pairs) on this
-        device, where they are a halving of the tiles ``choice`` ``answered``; else None."""
-
-    def keep_tiles(self, wrapper: str, jits: tuple, choice: str, tiles: tuple, shape: tuple, kept: tuple, *,
-                   from_config: str, required: int, steps) -> None:
-        """Keep the tiles that fit (``kept``) for ``wrapper``'s ``shape`` class, for the next process."""
 
     def on_inductor_load(self, autotuner) -> None:
         """Before Inductor's ``CachingAutotuner`` loads its compile results: replace those the decision cache

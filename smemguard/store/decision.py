@@ -19,8 +19,8 @@ OBSERVED = "observed"
 #: torch.compile kernels (:mod:`smemguard.engine.inductor`): smaller blocks of a kernel whose grid follows them.
 BLOCKS_REDUCED = "blocks_reduced"
 #: Smaller tiles chosen where the tiles are chosen: FlexAttention configs before Inductor renders them
-#: (:mod:`smemguard.patches.torch_seams.inductor_flex_configs`), a wrapper's own tile choice
-#: (:mod:`smemguard.patches.contrib._retried_wrapper`;
+#: (:mod:`smemguard.patches.torch_seams.inductor_flex_configs`), a declared wrapper's tiles
+#: (:mod:`smemguard.engine.wrapper_tiles`;
 #: records written before 2026-12-03 spell it ``tile_reduced``).
 TILES_REDUCED = "tiles_reduced"
 

@@ -24,8 +24,7 @@ DESCRIBED_COMPILE = "what a compile was given (kernels.recorded.compile_fields):
 COMPILE = "the compile-time core"
 INDUCTOR = "Inductor's load recovery"
 FLEX = "FlexAttention's configs"
-PATCHED_WRAPPER = "a known-kernel patch's wrapper tiles"
-DECLARED_WRAPPER = "a wrapper declared with rerun_on_overflow"
+DECLARED_WRAPPER = "a wrapper declared with rerun_on_overflow (a library's or a pack's)"
 DEEPGEMM = "the DeepGEMM patch"
 
 #: How a reader takes a field. NEEDED: a record without it, or with a wrong one, is refused; READ: used when present,
@@ -79,7 +78,7 @@ FIELDS = (
     Field("num_warps", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
     Field("num_stages", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
     Field("constexprs", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE), replay=NEEDED),
-    Field("config", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE, INDUCTOR, FLEX, PATCHED_WRAPPER, DECLARED_WRAPPER),
+    Field("config", (DESCRIBED_LAUNCH, DESCRIBED_COMPILE, INDUCTOR, FLEX, DECLARED_WRAPPER),
           replay=NEEDED),
     Field("grid", (DESCRIBED_LAUNCH,), replay=READ),
     Field("args", (DESCRIBED_LAUNCH, DEEPGEMM), report=READ, replay=READ),
@@ -92,7 +91,7 @@ FIELDS = (
     Field("inductor", (INDUCTOR,), replay=READ),
     Field("head_dim", (FLEX,)),
     Field("dtype", (FLEX,)),
-    Field("shape_class", (PATCHED_WRAPPER, DECLARED_WRAPPER)),
+    Field("shape_class", (DECLARED_WRAPPER,)),
     Field("choice", (DECLARED_WRAPPER,)),
     Field("slots", (DEEPGEMM,)),
     Field("variant", (DEEPGEMM,)),

@@ -1,7 +1,7 @@
 """A library module's wrappers declared re-runnable for smemguard, as their author would declare them.
 
 Shared by the packs for libraries whose wrappers choose a kernel's tiles (``sglang_extend_attention``,
-``sglang_prefill_attention``): each describes its kernels here, wherever the library's releases keep them, and the
+``sglang_prefill_attention``, ``vllm_unified_attention``, ``vllm_prefill_attention``): each describes its kernels here, wherever the library's releases keep them, and the
 public mechanism (``engine.wrapper_tiles``: ``tile_choice`` or ``tiles_at_launch``, and ``rerun_on_overflow``) does
 the rest, exactly as for a library that declares its own wrappers. The knowledge that makes smaller tiles safe lives
 in each pack's docstring.
@@ -17,7 +17,8 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable
 
-from ...engine.wrapper_tiles import rerun_on_overflow
+from ...engine import wrapper_rerun
+from ...engine.wrapper_rerun import rerun_on_overflow
 from .. import Kernels, Layer, Patch
 
 
@@ -62,6 +63,12 @@ class DeclaredWrappers(Patch):
             for wrapper in reversed(wrappers):
                 wrapper.remove()
             declared.remove()
+
+    def answers_learnt_tiles(self) -> bool:
+        """Whether the declared wrappers keep books in this install, so that their choice answers learnt tiles: a
+        tile was learnt in it, or the decision cache holds learnt tiles."""
+        engine = self.engine
+        return engine is not None and not engine.closed and self.is_patched() and wrapper_rerun.in_use(engine)
 
     def _present(self) -> bool:
         return any(declared.present() and all(wrapper.present() for wrapper in wrappers)

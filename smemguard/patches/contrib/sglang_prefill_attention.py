@@ -35,50 +35,29 @@ a release whose kernel misses any of it gets one line and is left as it is.
 
 from __future__ import annotations
 
-import inspect
-
 from ...engine.wrapper_tiles import tiles_at_launch
 from ...facts.versions import Supported
 from .. import Kernels
+from . import _context_attention
 from ._declared_wrappers import DeclaredWrappers
 
 #: Where SGLang's releases keep the kernel, newest first: 0.5.16 moved it out of ``sglang.srt``.
 HOMES = ("sglang.kernels.ops.attention.prefill_attention", "sglang.srt.layers.attention.triton_ops.prefill_attention")
-WRAPPER = "context_attention_fwd"
-KERNEL = "_fwd_kernel"
-
-TILES = ("BLOCK_M", "BLOCK_N")
+WRAPPER, KERNEL, TILES = _context_attention.WRAPPER, _context_attention.KERNEL, _context_attention.TILES
 #: What the argument reads of the kernel: the sequence bounds, the causal mask, the tiles and the head size.
 _PARAMETERS = ("Q", "B_Start_Loc", "B_Seqlen", "IS_CAUSAL", "BLOCK_M", "BLOCK_N", "Lk")
 _SMALLEST = 16  # tl.dot needs M, N, K >= 16
 
 
-def _shape(args: tuple, kwargs: dict) -> dict:
-    """What the kernel's shared memory depends on besides its tiles: the query dtype and the head size."""
-    return {"dtype": args[0].dtype, "head_size": kwargs["Lk"]}
-
-
-def _grid(grid: tuple, launched: dict, lowered: dict) -> tuple:
-    """The wrapper's grid, ``(batch, heads, cdiv(max_input_len, BLOCK_M))``, for a smaller ``BLOCK_M``."""
-    batch, heads, blocks = grid
-    rows = blocks * launched["BLOCK_M"]  # at least max_input_len
-    return batch, heads, -(-rows // lowered["BLOCK_M"])
-
-
-def _chooses_and_launches(module) -> bool:
-    """The wrapper computes ``BLOCK`` itself and launches the kernel with it."""
-    code = inspect.unwrap(getattr(module, WRAPPER)).__code__
-    return "BLOCK" in code.co_varnames and KERNEL in code.co_names
-
-
 def _declare(module, original):
-    return tiles_at_launch(original, tile=TILES, grid=_grid, shape=_shape, smallest=_SMALLEST)
+    return tiles_at_launch(original, tile=TILES, grid=_context_attention.grid, shape=_context_attention.shape,
+                           smallest=_SMALLEST)
 
 
 PATCH = DeclaredWrappers(
     __name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"),
     checked=tuple(f"0.5.{release}" for release in range(5, 24)),
     kernels=Kernels(HOMES, {KERNEL: _PARAMETERS}, tiles=TILES, masked=TILES,
-                    reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it", _chooses_and_launches),)),
+                    reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it", _context_attention.launches_its_block),)),
     declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), fallbacks={WRAPPER: "sglang_context_attention"},
     target=WRAPPER)

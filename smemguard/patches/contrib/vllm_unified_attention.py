@@ -17,18 +17,18 @@ attention kernel used, which is why both must see the same value. The results eq
 larger tile's up to the order of floating-point additions in the softmax (not bitwise).
 The smallest tile is 16 (``tl.dot`` needs K >= 16), 32 for fp8 queries, as vLLM says.
 
-What it does (:mod:`smemguard.patches.contrib._retried_wrapper`, shared with ``vllm_prefill_attention``):
-``unified_attention`` gets a plain function layer (also where the Triton backend imported it by
-name): a ``try`` around the call, nothing else on a healthy call. When a call raises
-``OutOfResources`` for shared memory from its first launch, ``kernel_unified_attention``, and that
-launch's ``TILE_SIZE`` is the one ``_get_tile_size`` gives for the call's shape class (head size,
-window, element size, prefill or decode; per device and limit), the tile is halved for that class
-and ``unified_attention`` called again, down to the smallest tile. ``_get_tile_size`` gets a layer
-(from the first such decision on) that returns the smaller tile when ``unified_attention`` asks for
-that class, so the attention kernel and ``reduce_segments`` get the same value, and later calls of
-that class pick it at once, with no failed launch. A failure of any other launch
-(``reduce_segments``, after the attention kernel ran) is never retried. One incident record
-(``"action": "tiles_reduced"``) per shape class, after the engine's own record of the failed launch.
+What it does: ``_get_tile_size`` becomes a declared ``smemguard.tile_choice`` of ``TILE_SIZE`` for
+``kernel_unified_attention``, and ``unified_attention`` ``smemguard.rerun_on_overflow`` (also where the Triton backend
+imported it by name): the public mechanism (:mod:`smemguard.engine.wrapper_tiles`), as a library that declares its own
+wrappers gets. When a call raises ``OutOfResources`` for shared memory from its first launch,
+``kernel_unified_attention``, and that launch's ``TILE_SIZE`` is the one ``_get_tile_size`` answered in the call for
+the launch's shape class (head size, window, element size, prefill or decode, read back from the launch: the wrapper
+asks twice, and the 2D launch takes the prefill answer, the 3D one the decode answer), the tile is halved for that
+class (per device and limit) and ``unified_attention`` called again, down to the smallest tile. Inside the wrapper's
+calls ``_get_tile_size`` answers the smaller tile for that class, so the attention kernel and ``reduce_segments`` get
+the same value, and later calls of that class, and later processes (the decision cache's table ``tiles``), pick it
+at once, with no failed launch. A failure of any other launch (``reduce_segments``, after the attention kernel ran)
+is never retried. One incident record (``"action": "tiles_reduced"``) per shape class.
 
 Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
@@ -49,9 +49,10 @@ from __future__ import annotations
 
 import inspect
 
+from ...engine.wrapper_tiles import tile_choice
 from ...facts.versions import Supported
 from .. import Kernels
-from ._retried_wrapper import RetriedWrapper
+from ._declared_wrappers import DeclaredWrappers
 
 HOMES = ("vllm.v1.attention.ops.triton_unified_attention",)
 WRAPPER = "unified_attention"
@@ -65,38 +66,31 @@ _SMALLEST_TILE = {1: 32}
 _DEFAULT_SMALLEST_TILE = 16
 
 
-def _shape(head_size, sliding_window, element_size, is_prefill) -> tuple:
-    return head_size, sliding_window, element_size, bool(is_prefill)
+def _smallest(shape: dict) -> int:
+    return _SMALLEST_TILE.get(shape["element_size"], _DEFAULT_SMALLEST_TILE)
 
 
-def _choice_shape(args, kwargs, frame) -> tuple:
-    """The shape class of a ``_get_tile_size`` call: its own arguments."""
-    return _shape(*args, **kwargs)
-
-
-def _launch_shape(args, kwargs) -> tuple:
-    """The arguments ``_get_tile_size`` was given for this launch's tile: the 3D (split-KV) launch
-    takes the decode tile, the 2D one the prefill tile."""
-    return (kwargs["HEAD_SIZE"], max(kwargs["SLIDING_WINDOW"], 0), kwargs["query_ptr"].element_size(),
-            not kwargs["IS_3D"])
-
-
-def _wrapper_tile(module, choose, shape: tuple, learnt: int | None) -> int:
-    tile = choose(*shape)
-    return tile if learnt is None or learnt >= tile else learnt
+def _launch_shape(launched: dict) -> dict:
+    """The arguments ``_get_tile_size`` was given for this launch's tile: the 3D (split-KV) launch takes the decode
+    tile, the 2D one the prefill tile."""
+    return {"head_size": launched["HEAD_SIZE"], "sliding_window": max(launched["SLIDING_WINDOW"], 0),
+            "element_size": launched["query_ptr"].element_size(), "is_prefill": not launched["IS_3D"]}
 
 
 def _chooses_by_shape(module) -> bool:
     return tuple(inspect.signature(getattr(module, TILE_CHOICE)).parameters) == _TILE_CHOICE_PARAMETERS
 
 
+def _declare(module, original):
+    return tile_choice(kernel=getattr(module, KERNEL), tile="TILE_SIZE", smallest=_smallest,
+                       launch_shape=_launch_shape)(original)
+
+
 #: the wrapper, its choice and its kernel, with what makes a smaller tile safe (above)
-PATCH = RetriedWrapper(
+PATCH = DeclaredWrappers(
     __name__, supported=Supported("vllm", (0, 27), (0, 34), label="vLLM"),
     checked=("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"),
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("TILE_SIZE",),
                     reads=((f"{TILE_CHOICE}({', '.join(_TILE_CHOICE_PARAMETERS)})", _chooses_by_shape),
                            (WRAPPER, lambda module: callable(getattr(module, WRAPPER))))),
-    wrapper=WRAPPER, choice=TILE_CHOICE, tile="TILE_SIZE", shape_fields=_TILE_CHOICE_PARAMETERS,
-    choice_shape=_choice_shape, launch_shape=_launch_shape, wrapper_tile=_wrapper_tile,
-    smallest=lambda shape: _SMALLEST_TILE.get(shape[2], _DEFAULT_SMALLEST_TILE))
+    declared=TILE_CHOICE, declare=_declare, wrappers=(WRAPPER,), target=WRAPPER)
