@@ -98,7 +98,8 @@ def test_what_an_install_learnt_is_in_its_engine_and_forgotten_at_uninstall(inci
                 assert matmul(*operands()) == 64
                 learnt = smemguard.guard.installed_engine().memory.table(wrapper_tiles.MEMORY)
                 assert learnt[wrapper_tiles.IN_USE] is True
-                assert list(learnt[block_m_for].known.values()) == [(64,)]
+                [declared] = [value for key, value in learnt.items() if key != wrapper_tiles.IN_USE]
+                assert list(declared.known.values()) == [(64,)], "what block_m_for's declaration learnt"
         finally:
             smemguard.uninstall()
         assert learnt == {}, "uninstall() forgot it"

@@ -1,15 +1,17 @@
-"""Host cost per call of smemguard's layer on a vLLM wrapper function (unified_attention,
-context_attention_fwd), measured around a no-op with the argument list vLLM's Triton backend passes.
+"""Host cost per healthy call of smemguard on a vLLM wrapper function (unified_attention), measured around a no-op
+with the argument list vLLM's Triton backend passes, that asks its tile choice twice (prefill and decode) as vLLM's
+wrapper does.
 
-Answered (2-core AMD EPYC, Python 3.11.7, wrapt 2.5.2): the plain function layer costs 0.11 to 0.13 us a call over
-the bare call (0.10 to 0.11 us), a wrapt ``FunctionWrapper`` with the same ``try`` 0.55 us: about 5 times as much,
-in every run. So the vLLM wrapper patches use plain function layers.
+Answered (2-core AMD EPYC, Python 3.11.7, wrapt 2.5.2, 2026-12-04): a plain function layer with a ``try`` costs 0.11 to
+0.13 us a call over the bare call, a wrapt ``FunctionWrapper`` with the same ``try`` 0.55 us: so a layer on a
+wrapper is a plain function. 2026-12-07: the declared wrapper (``smemguard.rerun_on_overflow`` over the wrapper,
+``smemguard.tile_choice`` over its choice, as the vLLM packs now declare them) costs about 1 us a call over the bare
+call: the numbers of the day are in docs/MEASURED.md.
 
     python benchmarks/experiments/wrapper_layer_cost.py [--calls 200000] [--repeat 7]
 
-Prints the bare call and, for each layer, its cost over the bare call (best of --repeat timeit
-runs, microseconds per call): smemguard's plain function layer (``patches.contrib._retried_wrapper``), and a
-wrapt ``FunctionWrapper`` whose wrapper is the same ``try`` (what the patch used before).
+Prints the bare call and, for each layer, its cost over the bare call (best of --repeat timeit runs, microseconds per
+call), with smemguard installed (no GPU needed: nothing is launched).
 """
 
 from __future__ import annotations
@@ -19,14 +21,36 @@ import timeit
 
 import wrapt
 
-from smemguard.patches.contrib import vllm_unified_attention
+import smemguard
+from smemguard.examples import matmul_kernel
+from smemguard.facts.settings import Settings
 
 # unified_attention's positional arguments as the Triton backend passes them (values do not matter to a no-op)
 ARGS = tuple(range(9)) + (True, (-1, -1), 11, 0, None, None, None)
 
 
-def noop(q, k, v, out, *args, **kwargs):
-    return None
+def tile_size(head_size, sliding_window, element_size, is_prefill):
+    return 32
+
+
+def wrapper_asking(choose):
+    """A no-op wrapper that asks ``choose`` for its prefill and its decode tile, as vLLM's does."""
+
+    def unified_attention(q, k, v, out, *args, **kwargs):
+        choose(128, 0, 2, is_prefill=True)
+        choose(128, 0, 2, is_prefill=False)
+
+    return unified_attention
+
+
+def plain_layer(original):
+    def guarded(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except ArithmeticError:  # never raised: only the healthy path is timed
+            raise
+
+    return guarded
 
 
 def per_call_us(function, calls: int, repeat: int) -> float:
@@ -42,15 +66,23 @@ def main(argv=None) -> None:
     def wrapt_try(wrapped, instance, args, kwargs):
         try:
             return wrapped(*args, **kwargs)
-        except ArithmeticError:  # never raised: only the healthy path is timed
+        except ArithmeticError:
             raise
 
-    layers = {"smemguard plain function layer": vllm_unified_attention.PATCH._guarded(noop),
-              "wrapt FunctionWrapper with the same try": wrapt.FunctionWrapper(noop, wrapt_try)}
-    bare = per_call_us(noop, options.calls, options.repeat)
-    print(f"bare call: {bare:.3f} us")
-    for name, layer in layers.items():
-        print(f"{name}: +{per_call_us(layer, options.calls, options.repeat) - bare:.3f} us per call")
+    bare = wrapper_asking(tile_size)
+    declared_choice = smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M")(tile_size)
+    layers = {"plain function layer with a try": plain_layer(bare),
+              "wrapt FunctionWrapper with the same try": wrapt.FunctionWrapper(bare, wrapt_try),
+              "declared wrapper and choice (installed)": smemguard.rerun_on_overflow(declared_choice)(
+                  wrapper_asking(declared_choice))}
+    assert smemguard.install(Settings())
+    try:
+        base = per_call_us(bare, options.calls, options.repeat)
+        print(f"bare call: {base:.3f} us")
+        for name, layer in layers.items():
+            print(f"{name}: +{per_call_us(layer, options.calls, options.repeat) - base:.3f} us per call")
+    finally:
+        smemguard.uninstall()
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def _checked(kernels: tuple, tiles, smallest) -> tuple[tuple, tuple[str, ...]]:
 
 def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int | Callable[[dict], int] = 16,
                 at: int | tuple[int, ...] | None = None,
-                launch_shape: Callable[[dict], dict] | None = None) -> Callable[[Callable[..., Any]], TileChoice]:
+                launch_shape: Callable[[dict], dict] | None = None) -> Callable[[Callable[..., Any]], Callable]:
     """Declare the decorated function as where a wrapper chooses ``kernel``'s ``tile`` (a constexpr the launch
     passes by name; a tuple of them when the function chooses several; ``kernel`` a tuple of kernels when the
     library's wrappers launch different ones with the same choice). ``smallest``: the least tile the kernels may
@@ -129,7 +129,23 @@ def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int | Callable
         raise TypeError(f"at must give one position in the returned tuple per tile ({len(names)}), not {at!r}")
     if positions is None and len(names) > 1:
         raise TypeError("a function that chooses several tiles returns a tuple: say where each one is with at=")
-    return lambda function: TileChoice(function, jits, names, smallest, positions, launch_shape)
+    return lambda function: _answering(TileChoice(function, jits, names, smallest, positions, launch_shape))
+
+
+def _answering(declaration: TileChoice) -> Callable[..., Any]:
+    """The declared choice: the library's function, whose answers inside a declared wrapper's call are lowered to
+    the tiles learnt (:meth:`TileChoice.answered_in`). A plain function, not the declaration's ``__call__``: a healthy
+    call (no declared call running on the thread) costs a function layer and a thread-local read."""
+    function, answered_in = declaration.function, declaration.answered_in
+
+    @functools.wraps(function)
+    def choice(*args, **kwargs):
+        answer = function(*args, **kwargs)
+        call = running.call
+        return answer if call is None else answered_in(call, args, kwargs, answer)
+
+    choice._self_tiles = declaration  # what rerun_on_overflow declares the wrapper with, as for tiles_at_launch's
+    return choice
 
 
 def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tuple, dict, dict], tuple],
@@ -250,7 +266,6 @@ class TileChoice(Declaration):
 
     def __init__(self, function: Callable[..., Any], jits: tuple, tiles: tuple[str, ...], smallest,
                  positions: tuple[int, ...] | None, launch_shape: Callable[[dict], dict] | None = None):
-        functools.update_wrapper(self, function)
         super().__init__(jits, tiles, smallest, introspect.callable_name(function), launch_shape)
         self.function, self.positions = function, positions
         self._signature = inspect.signature(function)
@@ -258,11 +273,9 @@ class TileChoice(Declaration):
         self._positional = all(parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
                                for parameter in self._signature.parameters.values())
 
-    def __call__(self, *args, **kwargs):
-        answer = self.function(*args, **kwargs)
-        call = running.call
-        if call is None:  # not inside a declared wrapper: the library's own answer
-            return answer
+    def answered_in(self, call: Call, args: tuple, kwargs: dict, answer):
+        """``answer``, the library's own for ``args`` and ``kwargs``, inside the declared wrapper's ``call``: lowered
+        to the tiles learnt for its shape class, and kept in the call's books."""
         try:
             shape = self.shape_class(args, kwargs)
             if shape is None:

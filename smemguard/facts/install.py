@@ -23,7 +23,8 @@ class Memory:
     def table(self, name: str) -> dict:
         """The table ``name``, made at its first use (``setdefault`` is atomic: no lock for a reader that only
         looks); change it, or read it whole, under :attr:`lock`."""
-        return self._tables.setdefault(name, {})
+        table = self._tables.get(name)  # a healthy declared call reads this: no empty dict made to be thrown away
+        return table if table is not None else self._tables.setdefault(name, {})
 
     def first(self, table: str, key) -> bool:
         """True the first time ``key`` is seen in ``table`` by this install (what is recorded once per case)."""
