@@ -129,4 +129,5 @@ def test_patches_reach_the_engine_only_through_the_port():
     reached = {str(path.relative_to(PACKAGE)): sorted(module for module in _imported_modules(path)
                                                       if module.startswith("engine."))
                for path in sorted((PACKAGE / "patches").rglob("*.py"))}
-    assert {path: modules for path, modules in reached.items() if set(modules) - {"engine.wrapper_tiles", "engine.wrapper_rerun"}} == {}
+    public = {"engine.wrapper_tiles", "engine.wrapper_rerun"}
+    assert {path: modules for path, modules in reached.items() if set(modules) - public} == {}

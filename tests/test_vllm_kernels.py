@@ -160,7 +160,7 @@ def test_a_learnt_tile_survives_a_restart_as_a_declared_wrappers_does(unified_at
     decisions = tmp_path / "decisions"
     for restart in (False, True):
         install_guard(cache_dir=decisions)
-        assert vllm_unified_attention.PATCH.answers_learnt_tiles() is restart, "the choice is layered at install once stored"
+        assert vllm_unified_attention.PATCH.answers_learnt_tiles() is restart, "learnt tiles answered once stored"
         with fake_gpu("T4", cache_dir=triton_cache) as gpu:
             tiles_run["attention"].clear()
             attend(unified_attention, 512, torch.float16)
@@ -252,7 +252,8 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
     assert first.shared <= device.max_shared and first.num_stages == 1
     tile_records = [record for record in records(incident_log) if record["action"] == "tiles_reduced"]
     assert [(record["final"], record["shape_class"]["head_size"]) for record in tile_records] == [
-        (f"BLOCK_M={block} BLOCK_N={block}", 256)], "one decision for the shape class; the second call chose the smaller BLOCK at once"
+        (f"BLOCK_M={block} BLOCK_N={block}", 256)], \
+        "one decision for the shape class; the second call chose the smaller BLOCK at once"
     smemguard.uninstall()
     assert backend.context_attention_fwd is module.context_attention_fwd is vllms_own
     assert not vllm_prefill_attention.PATCH.answers_learnt_tiles()

@@ -55,9 +55,11 @@ or two when the bytes per stage are linear (the usual case), none from a stored 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
+from typing import Any
 
 from ..facts import process
 from ..kernels import introspect, recorded, variants
@@ -72,6 +74,19 @@ log = logging.getLogger(__name__)
 LAUNCHED_AS = "triton.compile"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Overflowing:
+    """A kernel Triton compiled that will not fit the device it loads on, and the guard around smemguard's own steps
+    in handling it."""
+
+    source: Any  # what it was compiled from (an ASTSource for a @triton.jit kernel)
+    kernel: Any  # as compiled
+    device: int
+    required: int  # its shared memory
+    limit: int
+    steps: Steps
+
+
 def fit(engine, compile_fn, args: tuple, kwargs: dict, kernel):
     """``kernel`` (what ``compile_fn(*args, **kwargs)`` returned), or a fewer-stage compile of the same
     source that fits the device it will load on. Never raises."""
@@ -83,16 +98,17 @@ def fit(engine, compile_fn, args: tuple, kwargs: dict, kernel):
     if overflow is None:
         return kernel
     steps = Steps(_name(args))
+    overflowing = _Overflowing(compile_arguments(args, kwargs)[0], kernel, *overflow, steps)
     fitted = None
     try:
-        fitted = _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps)
+        fitted = _refit(engine, compile_fn, args, kwargs, overflowing)
     except StepFailed:  # logged where it failed: the kernel is handed on as compiled, the launch guard behind it
         pass
     except Exception:
         steps.note("fit the compiled kernel", "it is handed on as compiled")
     if fitted is None and _timing_a_triton_config():
         with steps.skippable("record the skipped config"):
-            _record_skipped(engine, compile_arguments(args, kwargs)[0], kernel, overflow, steps)
+            _record_skipped(engine, overflowing)
     return kernel if fitted is None else fitted
 
 
@@ -152,14 +168,15 @@ def _gpu_in_use() -> bool:
         return False
 
 
-def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
-    """A fewer-stage compile of ``kernel``'s source that fits, recorded and stored; None when none does."""
+def _refit(engine, compile_fn, args, kwargs, overflowing: _Overflowing):
+    """A fewer-stage compile of the overflowing kernel's source that fits, recorded and stored; None when none
+    does."""
     from triton.compiler.compiler import ASTSource
 
     from ..kernels.parameters import OptionIsAParameter, knobs_of, lowered_constexprs
 
-    settings = engine.settings
-    device, required, limit = overflow
+    settings, kernel, steps = engine.settings, overflowing.kernel, overflowing.steps
+    device, required, limit = overflowing.device, overflowing.required, overflowing.limit
     source, target, options, rest = compile_arguments(args, kwargs)
     stages = kernel.metadata.num_stages
     jit = getattr(source, "fn", None)
@@ -198,11 +215,11 @@ def _refit(engine, compile_fn, args, kwargs, kernel, overflow, steps: Steps):
     final = ", ".join(f"{name}={value}" for name, value in next(attempt for attempt in reversed(attempts)
                                                                   if attempt["num_stages"] == count).items()
                       if name != "shared")
-    _record(engine, source, kernel, fitted, final, overflow, attempts, bool(stored and count == stored), started,
-            steps)
+    _record(engine, overflowing, fitted, final, attempts, remembered=bool(stored and count == stored),
+            started=started)
     if not stored:
         with steps.skippable("store the decision"):
-            _store(case, kernel, count, overflow, settings)
+            _store(case, overflowing, count, settings)
     engine.notes.note_replacement(jit, device, None, fitted)  # uninstall() takes it out of the JIT cache again
     return fitted
 
@@ -232,26 +249,29 @@ def _case(jit, kernel, device: int) -> tuple[str, dict]:
     return decision_cache.case_id(case), case
 
 
-def _store(case, kernel, count: int, overflow, settings) -> None:
+def _store(case, overflowing: _Overflowing, count: int, settings) -> None:
     store = decision_cache.store(settings.cache_dir)
     if store is None:
         return
     key, fields = case
-    device, required, _ = overflow
     store.put("compile", key, decision_cache.new_entry(
         fields, action=STAGES_REDUCED, final=f"num_stages={count}",
-        from_config=f"num_stages={kernel.metadata.num_stages}", gpu=variants.gpu_label(device), resource=SHARED,
-        required=required, options={"num_stages": count}))
+        from_config=f"num_stages={overflowing.kernel.metadata.num_stages}",
+        gpu=variants.gpu_label(overflowing.device), resource=SHARED, required=overflowing.required,
+        options={"num_stages": count}))
 
 
-def _record(engine, source, kernel, fitted, final: str, overflow, attempts, remembered: bool, started: float,
-            steps: Steps) -> None:
-    device, required, limit = overflow
+def _record(engine, overflowing: _Overflowing, fitted, final: str, attempts: list, *, remembered: bool,
+            started: float) -> None:
+    """The record of a fewer-stage compile (``fitted``, with the options ``final``) that fits in the overflowing
+    kernel's place, after the compiles ``attempts``; ``remembered``: the decision cache's stage count."""
+    source, steps = overflowing.source, overflowing.steps
+    device, required, limit = overflowing.device, overflowing.required, overflowing.limit
     name = introspect.kernel_name(source.fn)
-    stages = kernel.metadata.num_stages
+    stages = overflowing.kernel.metadata.num_stages
     described = {}
     with steps.skippable("describe the launch"):
-        described = compile_description(source, kernel)
+        described = compile_description(source, overflowing.kernel)
     phase = described.pop("phase", "compile")
     # An autotuner times each config: one record per kernel and shape class, not one per config timed.
     if phase == "autotune" and not engine.memory.first("autotune", (name, device, limit, _shape_class(described),
@@ -268,10 +288,11 @@ def _record(engine, source, kernel, fitted, final: str, overflow, attempts, reme
                      len(attempts), "" if len(attempts) == 1 else "s")
 
 
-def _record_skipped(engine, source, kernel, overflow, steps: Steps) -> None:
+def _record_skipped(engine, overflowing: _Overflowing) -> None:
     """A config an autotuner is timing that fits at no stage count: it counts it as failed and chooses another.
     Recorded once per kernel and shape class as ``autotune_skipped``, never as a failed launch."""
-    device, required, limit = overflow
+    source, kernel, steps = overflowing.source, overflowing.kernel, overflowing.steps
+    device, required, limit = overflowing.device, overflowing.required, overflowing.limit
     name = introspect.kernel_name(source.fn)
     described = compile_description(source, kernel)
     described.pop("phase", None)

@@ -16,6 +16,7 @@ not bitwise the same (the softmax adds in another order). One warning and one in
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..facts import process
 from ..store import incidents
@@ -56,10 +57,23 @@ def fitting(kind: str, config, head_dim: int, dtype, limit: int):
     return config
 
 
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """The configs Inductor's heuristics offer one pass for a head dim and dtype, on a device and its limit."""
+
+    kind: str  # "forward" or "backward"
+    head_dim: int
+    dtype: Any
+    device: int
+    limit: int
+    started: float
+
+
 def offer_fitting(engine, kind: str, configs: list, head_dim: int, dtype, started: float, steps) -> list:
     """``configs`` with each that cannot fit at any stage count replaced by the largest halving that can."""
     device = process.current_device()
     limit = process.effective_limit(device)
+    offer = _Offer(kind, head_dim, dtype, device, limit, started)
     offered = []
     for config in configs:
         replacement = config
@@ -71,12 +85,13 @@ def offer_fitting(engine, kind: str, configs: list, head_dim: int, dtype, starte
             offered.append(config)
             continue
         offered.append(replacement)
-        _report(engine, kind, config, replacement, head_dim, dtype, device, limit, started, steps)
+        _report(engine, offer, config, replacement, steps)
     return offered
 
 
-def _report(engine, kind: str, config, replacement, head_dim: int, dtype, device: int, limit: int, started: float,
-            steps) -> None:
+def _report(engine, offer: _Offer, config, replacement, steps) -> None:
+    """The record of ``replacement`` offered in place of ``config``, once per install."""
+    kind, head_dim, dtype, device, limit = offer.kind, offer.head_dim, offer.dtype, offer.device, offer.limit
     key = (kind, head_dim, str(dtype), device, limit, str(config))
     with engine.memory.lock:  # one record per (pass, head dim, dtype, device, limit, config) and install
         decided = engine.memory.table(TABLE)
@@ -87,7 +102,7 @@ def _report(engine, kind: str, config, replacement, head_dim: int, dtype, device
     kernel = f"flex_attention_{kind}"
     incident = incidents.Incident(
         kernel=kernel, launched_as="torch.compile", phase="compile", action=TILES_REDUCED, final=str(replacement),
-        resource="shared memory", required=bound, limit_hit=limit, started=started, device=device,
+        resource="shared memory", required=bound, limit_hit=limit, started=offer.started, device=device,
         internal_steps=steps.failed, reason=f"at least {bound} B at one stage of its tiles",
         extras={"head_dim": head_dim, "dtype": str(dtype), "config": str(config)})
     incidents.report(incident, engine.settings.log_path, ("flex", kind, head_dim, str(dtype), device, limit),

@@ -139,10 +139,11 @@ def _candidates(autotuner, config, overflow: Overflow):
 
 
 class _Trial:
-    """The candidates of one kernel compiled so far, against the compile budget."""
+    """One recovery of one kernel: the candidates compiled so far, against the compile budget, and its record."""
 
-    def __init__(self, autotuner, limit: int):
+    def __init__(self, autotuner, limit: int, *, settings, steps: Steps, started: float):
         self.autotuner, self.limit = autotuner, limit
+        self.settings, self.steps, self.started = settings, steps, started
         self.attempts: list[Attempt] = []
         self.compile_ms = 0.0
 
@@ -178,6 +179,43 @@ class _Trial:
         elapsed = round((time.perf_counter() - started) * 1000, 3)
         self.compile_ms += elapsed
         self.attempts.append(dataclasses.replace(attempt, compile_ms=elapsed))
+
+    def record(self, overflow: Overflow, failing: list, chosen: list, *, configs: list = (), remembered: bool = False,
+               timed: process.TimedChoice | None = None) -> None:
+        """The record of this recovery: ``failing`` the configs that did not fit (an Attempt each), ``chosen`` the
+        (action, candidate) loaded in their place, ``remembered`` when the decision cache's variants were loaded;
+        ``timed``: the choice max-autotune was timing, whose failure to fit is ``autotune_skipped`` (Inductor times it
+        as failed and chooses another), never a re-raise."""
+        autotuner, settings, steps = self.autotuner, self.settings, self.steps
+        unfit = AUTOTUNE_SKIPPED if timed is not None else OBSERVED if settings.observe_only else RERAISED
+        action = chosen[0][0] if chosen else unfit
+        final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
+        name = kernel_name(autotuner)
+        device = _device(autotuner)
+        config = failing[0].config if failing else None
+        reason = None if chosen else _why_not(autotuner, name, settings) if timed is None else (
+            "no stage count of its configs fits; Inductor's max-autotune times this choice as failed and chooses "
+            "among the others")
+        described, generated = {}, {}
+        with steps.skippable("describe the compile"):
+            described, generated = _described(autotuner, configs[0]) if configs else ({}, {})
+        incident = incidents.Incident(
+            kernel=name, launched_as="CachingAutotuner", phase="autotune" if timed else "compile", action=action,
+            final=final,
+            resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=self.started,
+            device=device, internal_steps=steps.failed, reason=reason,
+            attempts=attempt_records([*failing[:1], *self.attempts]), compiles=len(self.attempts),
+            remembered=remembered, extras={
+                **described,
+                "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
+                             "source_hash": introspect.source_hash(autotuner.fn), **generated},
+                "config": config, "compile_ms": round(self.compile_ms, 3)})
+        verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else reason
+        record = incident.record()
+        incidents.emit(record, settings.log_path, ("inductor", name, device, config),
+                       "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
+                       overflow.resource, overflow.required, overflow.limit, config, verdict,
+                       len(self.attempts), record["recovery_ms"])
 
 
 def _with_live_function(autotuner) -> None:
@@ -237,7 +275,8 @@ def load_remembered(autotuner, settings) -> None:
     from torch._dynamo.device_interface import DeviceGuard
 
     started, device, steps = time.perf_counter(), _device(autotuner), Steps(kernel_name(autotuner))
-    trial, replaced, overflow = _Trial(autotuner, process.effective_limit(device)), [], None
+    trial = _Trial(autotuner, process.effective_limit(device), settings=settings, steps=steps, started=started)
+    replaced, overflow = [], None
     with DeviceGuard(autotuner.get_device_interface(), device):
         for index, result in enumerate(list(autotuner.compile_results)):
             key = decision_cache.case_id(_case(autotuner, result.config, device))
@@ -258,10 +297,10 @@ def load_remembered(autotuner, settings) -> None:
                 replaced.append((result.config, entry["action"], candidate))
                 overflow = overflow or Overflow(entry["resource"], entry.get("required", 0), trial.limit)
     if replaced:
-        _record(autotuner, overflow, [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False)
-                                      for config, _, _ in replaced],
-                trial, [(action, candidate) for _, action, candidate in replaced], started, settings, steps,
-                remembered=True, configs=[config for config, _, _ in replaced])
+        trial.record(overflow, [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False)
+                                for config, _, _ in replaced],
+                     [(action, candidate) for _, action, candidate in replaced],
+                     configs=[config for config, _, _ in replaced], remembered=True)
 
 
 def recover(engine, autotuner, error: BaseException, configs: list) -> bool:
@@ -279,7 +318,7 @@ def recover(engine, autotuner, error: BaseException, configs: list) -> bool:
         with steps.required("reload the kernel's function"):
             _with_live_function(autotuner)
     limit = process.effective_limit(device) if overflow.resource == "shared memory" else overflow.limit
-    trial = _Trial(autotuner, limit)
+    trial = _Trial(autotuner, limit, settings=settings, steps=steps, started=started)
     failing = [Attempt(introspect.config_text(config), overflow.required, overflow.limit, False) for config in configs]
     loaded, replaced = [], []
     if not settings.observe_only:
@@ -305,48 +344,11 @@ def recover(engine, autotuner, error: BaseException, configs: list) -> bool:
     chosen = [(action, candidate) for _, action, candidate in replaced]
     timed = process.benchmarking.value
     if not isinstance(timed, process.TimedChoice):
-        _record(autotuner, overflow, failing, trial, chosen, started, settings, steps, configs=configs)
+        trial.record(overflow, failing, chosen, configs=configs)
     elif engine.memory.first("autotune", (kernel_name(autotuner), device, limit, timed.shape_class, bool(chosen))):
         # A choice max-autotune is timing: once per kernel and shape class, and nothing that fits is not a failure.
-        _record(autotuner, overflow, failing, trial, chosen, started, settings, steps, configs=configs,
-                timed=timed)
+        trial.record(overflow, failing, chosen, configs=configs, timed=timed)
     return bool(loaded)
-
-
-def _record(autotuner, overflow: Overflow, failing: list, trial: _Trial, chosen: list, started: float,
-            settings, steps: Steps, remembered: bool = False, configs: list = (),
-            timed: process.TimedChoice | None = None) -> None:
-    """The record of one load recovery; ``timed``: the choice max-autotune was timing, whose failure to fit is
-    ``autotune_skipped`` (Inductor times it as failed and chooses another), never a re-raise."""
-    unfit = AUTOTUNE_SKIPPED if timed is not None else OBSERVED if settings.observe_only else RERAISED
-    action = chosen[0][0] if chosen else unfit
-    final = " | ".join(introspect.config_text(candidate) for _, candidate in chosen) or None
-    name = kernel_name(autotuner)
-    device = _device(autotuner)
-    config = failing[0].config if failing else None
-    reason = None if chosen else _why_not(autotuner, name, settings) if timed is None else (
-        "no stage count of its configs fits; Inductor's max-autotune times this choice as failed and chooses among "
-        "the others")
-    described, generated = {}, {}
-    with steps.skippable("describe the compile"):
-        described, generated = _described(autotuner, configs[0]) if configs else ({}, {})
-    incident = incidents.Incident(
-        kernel=name, launched_as="CachingAutotuner", phase="autotune" if timed else "compile", action=action,
-        final=final,
-        resource=overflow.resource, required=overflow.required, limit_hit=overflow.limit, started=started,
-        device=device, internal_steps=steps.failed, reason=reason,
-        attempts=attempt_records([*failing[:1], *trial.attempts]), compiles=len(trial.attempts),
-        remembered=remembered, extras={
-            **described,
-            "inductor": {"kernel_name": name, "heuristic_type": getattr(autotuner.heuristic_type, "name", None),
-                         "source_hash": introspect.source_hash(autotuner.fn), **generated},
-            "config": config, "compile_ms": round(trial.compile_ms, 3)})
-    verdict = f"{'remembered: ' if remembered else ''}loads {final}" if chosen else reason
-    record = incident.record()
-    incidents.emit(record, settings.log_path, ("inductor", name, device, config),
-                   "smemguard: %s (torch.compile): %s %s > %s B with %s; %s after %d compiles in %.0f ms", name,
-                   overflow.resource, overflow.required, overflow.limit, config, verdict,
-                   len(trial.attempts), record["recovery_ms"])
 
 
 def _described(autotuner, config) -> tuple[dict, dict]:

@@ -23,9 +23,11 @@ without the pin, at the cost of the one compile the refused pin took. One compil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import types
+from typing import Any
 
 from ..facts import gpus, pins, process
 from ..kernels import introspect
@@ -103,7 +105,8 @@ def pinned_compile(engine, compile_fn, args: tuple, kwargs: dict):
     if engine.memory.first("pinned", (name, device, limit, pin)):
         steps = Steps(name)
         with steps.skippable("record the pin"):
-            _record(engine, pin, source, asked, kernel, {**changes, **lowered}, (device, limit), started, steps)
+            _record(engine, pin, _Compiled(source, asked, kernel, device, limit, started), {**changes, **lowered},
+                    steps)
     engine.notes.note_replacement(jit, device, None, kernel)  # uninstall() takes it out of the JIT cache again
     return kernel
 
@@ -114,12 +117,23 @@ def _refused(pin: pins.Pin, name: str, device: int, why: str) -> None:
     return None
 
 
-def _record(engine, pin: pins.Pin, source, asked, kernel, chosen: dict, where: tuple[int, int], started: float,
-            steps: Steps) -> None:
-    """The one record of ``pin`` applying to the kernel compiled from ``source``: the compile as asked (and the
-    launch that caused it), the options the pin ``chosen`` (with the parameters lowered with them) and the bytes
-    that needs."""
-    device, limit = where
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A kernel compiled with a pin's options in place of those asked, on a device and its limit."""
+
+    source: Any  # the ASTSource it was compiled from
+    asked: Any  # the options as asked, parsed by the backend
+    kernel: Any  # as compiled with the pin's options
+    device: int
+    limit: int
+    started: float
+
+
+def _record(engine, pin: pins.Pin, compiled: _Compiled, chosen: dict, steps: Steps) -> None:
+    """The one record of ``pin`` applying to a compile: the compile as asked (and the launch that caused it), the
+    options the pin ``chosen`` (with the parameters lowered with them) and the bytes that needs."""
+    source, asked, kernel, device, limit = (compiled.source, compiled.asked, compiled.kernel, compiled.device,
+                                            compiled.limit)
     name = introspect.kernel_name(source.fn)
     # The kernel as asked was never compiled: what its description reads of it is its options.
     as_asked = types.SimpleNamespace(metadata=types.SimpleNamespace(num_warps=asked.num_warps,
@@ -130,7 +144,7 @@ def _record(engine, pin: pins.Pin, source, asked, kernel, chosen: dict, where: t
     final = ", ".join(f"{option}={value}" for option, value in chosen.items())
     incident = incidents.Incident(
         kernel=name, launched_as=compile_fit.LAUNCHED_AS, phase="compile", action=PINNED, final=final,
-        resource=SHARED, required=shared, limit_hit=limit, started=started, device=device,
+        resource=SHARED, required=shared, limit_hit=limit, started=compiled.started, device=device,
         internal_steps=steps.failed, reason=f"pinned by {pin.origin}: {pin.text()}",
         attempts=[{**chosen, "shared": shared}], compiles=1, extras=described)
     incidents.report(incident, engine.settings.log_path, ("pinned", name, device, limit, pin),

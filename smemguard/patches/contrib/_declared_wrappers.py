@@ -1,9 +1,10 @@
 """A library module's wrappers declared re-runnable for smemguard, as their author would declare them.
 
 Shared by the packs for libraries whose wrappers choose a kernel's tiles (``sglang_extend_attention``,
-``sglang_prefill_attention``, ``vllm_unified_attention``, ``vllm_prefill_attention``): each describes its kernels here, wherever the library's releases keep them, and the
-public mechanism (``engine.wrapper_tiles``: ``tile_choice`` or ``tiles_at_launch``, and ``rerun_on_overflow``) does
-the rest, exactly as for a library that declares its own wrappers. The knowledge that makes smaller tiles safe lives
+``sglang_prefill_attention``, ``vllm_unified_attention``, ``vllm_prefill_attention``): each describes its kernels
+here, wherever the library's releases keep them, and the public mechanism (``engine.wrapper_tiles``: ``tile_choice``
+or ``tiles_at_launch``, and ``rerun_on_overflow``) does the rest, exactly as for a library that declares its own
+wrappers. The knowledge that makes smaller tiles safe lives
 in each pack's docstring.
 
 Layers: the declared attribute (the module's tile choice function, or its kernel) and each wrapper, here and in

@@ -58,6 +58,7 @@ PATCH = DeclaredWrappers(
     __name__, supported=Supported("sglang", (0, 5), (0, 5), label="SGLang"),
     checked=tuple(f"0.5.{release}" for release in range(5, 24)),
     kernels=Kernels(HOMES, {KERNEL: _PARAMETERS}, tiles=TILES, masked=TILES,
-                    reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it", _context_attention.launches_its_block),)),
+                    reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it",
+                            _context_attention.launches_its_block),)),
     declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), fallbacks={WRAPPER: "sglang_context_attention"},
     target=WRAPPER)
