@@ -160,7 +160,7 @@ def test_a_learnt_tile_survives_a_restart_as_a_declared_wrappers_does(unified_at
     decisions = tmp_path / "decisions"
     for restart in (False, True):
         install_guard(cache_dir=decisions)
-        assert vllm_unified_attention.PATCH.answers_learnt_tiles() is restart, "learnt tiles answered once stored"
+        assert vllm_unified_attention.PATCH.declared_in_place() is restart, "in place at install once stored"
         with fake_gpu("T4", cache_dir=triton_cache) as gpu:
             tiles_run["attention"].clear()
             attend(unified_attention, 512, torch.float16)
@@ -187,9 +187,9 @@ def test_unified_attention_split_kv_decode_gives_both_kernels_the_smaller_tile(u
         attend(unified_attention, 256, torch.float32, decode=True, window=1023)
     assert [launch.kernel for launch in gpu.launches] == ["kernel_unified_attention", "reduce_segments"]
     assert tiles_run["attention"][-1] == 16 and tiles_run["reduce"] == [16], "both kernels see the same TILE_SIZE"
-    assert vllm_unified_attention.PATCH.answers_learnt_tiles()
+    assert vllm_unified_attention.PATCH.declared_in_place()
     smemguard.uninstall()
-    assert not vllm_unified_attention.PATCH.answers_learnt_tiles(), "vLLM's own choice again"
+    assert not vllm_unified_attention.PATCH.declared_in_place(), "vLLM's own choice again"
     assert not vllm_unified_attention.PATCH.is_patched()
 
 
@@ -256,7 +256,7 @@ def test_prefill_attention_head_256_gets_a_smaller_block_with_its_grid_recompute
         "one decision for the shape class; the second call chose the smaller BLOCK at once"
     smemguard.uninstall()
     assert backend.context_attention_fwd is module.context_attention_fwd is vllms_own
-    assert not vllm_prefill_attention.PATCH.answers_learnt_tiles()
+    assert not vllm_prefill_attention.PATCH.declared_in_place()
 
 
 def test_prefill_attention_keeps_vllms_block_for_a_head_size_that_fits(as_gpu, install_guard, incident_log,

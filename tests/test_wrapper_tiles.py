@@ -272,6 +272,46 @@ def test_the_smallest_tile_may_depend_on_the_shape_class(install_guard, incident
         "BLOCK_M=128", "BLOCK_M=64"]
 
 
+@pytest.mark.parametrize("learnt_elsewhere", [False, True])
+def test_a_declaration_held_back_is_put_in_place_at_its_kernels_first_overflow(learnt_elsewhere, install_guard,
+                                                                             incident_log, triton_cache):
+    """A pack's declaration (``DeclaredWrappers``) stays out of the library's way until its kernel overflows: the
+    wrapper asks the library's own choice, and a healthy call pays for the wrapper's layer only. At the first
+    overflow it is put in place and the call runs again, whether or not another wrapper's learnt tile already has
+    every declared wrapper keeping books; one record, the launch guard's left out."""
+    from smemguard.engine.wrapper_tiles import declaration_of
+
+    def library_choice(rows: int, dtype: str) -> int:
+        return 128
+
+    asked = {"choice": library_choice}  # the name the library's wrapper looks up at each call
+    held = declaration_of(smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M", smallest=32)(library_choice))
+
+    def put_in_place():
+        asked["choice"], held.put_in_place = held.over(asked["choice"]), None
+
+    held.put_in_place = put_in_place
+
+    @smemguard.rerun_on_overflow(held)
+    def library_matmul(a, b, c):
+        block_m = asked["choice"](a.shape[0], str(a.dtype))
+        grid = (triton.cdiv(a.shape[0], block_m), triton.cdiv(b.shape[1], 128))
+        matmul_kernel[grid](*matmul_args(a, b, c), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_stages=1)
+        return block_m
+
+    install_guard()
+    with fake_gpu("L4", max_shared=LIMIT, cache_dir=triton_cache) as gpu:
+        if learnt_elsewhere:
+            assert matmul(*operands()) == 64, "a library's own declared wrapper learns a tile first"
+        assert asked["choice"] is library_choice, "held back: the library's own choice"
+        assert library_matmul(*operands()) == 64 and asked["choice"] is not library_choice
+        assert library_matmul(*operands()) == 64, "in place: the next call chooses the learnt tile at once"
+        assert [launch.shared for launch in gpu.launches][-2:] == [24576, 24576]
+    assert [(record["action"], record["launched_as"].rpartition(".")[2])
+            for record in records(incident_log)][-1:] == [("tiles_reduced", "library_matmul")]
+    assert [record["action"] for record in records(incident_log)] == ["tiles_reduced"] * (1 + learnt_elsewhere)
+
+
 def test_tiles_chosen_inline_are_lowered_at_the_launch_with_the_grid_the_declaration_computes(
         install_guard, incident_log, triton_cache):
     """A wrapper with no choice function: the kernel declared where it launches, its grid rule given."""

@@ -6,7 +6,8 @@ Answered (2-core AMD EPYC, Python 3.11.7, wrapt 2.5.2, 2026-12-04): a plain func
 0.13 us a call over the bare call, a wrapt ``FunctionWrapper`` with the same ``try`` 0.55 us: so a layer on a
 wrapper is a plain function. 2026-12-07: the declared wrapper (``smemguard.rerun_on_overflow`` over the wrapper,
 ``smemguard.tile_choice`` over its choice, as the vLLM packs now declare them) costs about 1 us a call over the bare
-call: the numbers of the day are in docs/MEASURED.md.
+call; a pack's declaration, held back until an overflow, leaves the choice as it is and costs the wrapper's layer
+only: the numbers of the day are in docs/MEASURED.md.
 
     python benchmarks/experiments/wrapper_layer_cost.py [--calls 200000] [--repeat 7]
 
@@ -22,6 +23,7 @@ import timeit
 import wrapt
 
 import smemguard
+from smemguard.engine.wrapper_tiles import declaration_of
 from smemguard.examples import matmul_kernel
 from smemguard.facts.settings import Settings
 
@@ -71,10 +73,13 @@ def main(argv=None) -> None:
 
     bare = wrapper_asking(tile_size)
     declared_choice = smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M")(tile_size)
+    held_back = declaration_of(smemguard.tile_choice(kernel=matmul_kernel, tile="BLOCK_M")(tile_size))
+    held_back.put_in_place = lambda: None  # a pack's: the wrapper asks vLLM's own choice until an overflow
     layers = {"plain function layer with a try": plain_layer(bare),
               "wrapt FunctionWrapper with the same try": wrapt.FunctionWrapper(bare, wrapt_try),
-              "declared wrapper and choice (installed)": smemguard.rerun_on_overflow(declared_choice)(
-                  wrapper_asking(declared_choice))}
+              "declared wrapper and choice (a library's own)": smemguard.rerun_on_overflow(declared_choice)(
+                  wrapper_asking(declared_choice)),
+              "declared wrapper, choice held back (a pack's)": smemguard.rerun_on_overflow(held_back)(bare)}
     assert smemguard.install(Settings())
     try:
         base = per_call_us(bare, options.calls, options.repeat)

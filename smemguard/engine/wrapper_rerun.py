@@ -18,7 +18,7 @@ from ..kernels.launch import Attempt
 from ..store.decision import SHARED
 from . import wrapper_outcomes
 from .steps import StepFailed, Steps
-from .wrapper_tiles import IN_USE, MEMORY, Call, Declaration, running
+from .wrapper_tiles import IN_USE, MEMORY, Call, declaration_of, running
 
 log = logging.getLogger(__name__)
 _UNKNOWN = object()
@@ -50,8 +50,8 @@ def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> C
     fit (the contract: :mod:`.wrapper_tiles`). ``fallback``: called with the wrapper's own arguments when not
     even the smallest tiles fit, it computes the wrapper's result another way (torch), or returns
     ``NotImplemented`` for arguments it does not cover (the caller then gets its own error)."""
-    declarations = tuple(getattr(choice, "_self_tiles", choice) for choice in choices)
-    if not declarations or not all(isinstance(declaration, Declaration) for declaration in declarations):
+    declarations = tuple(declaration_of(choice) for choice in choices)
+    if not declarations or None in declarations:
         raise TypeError("rerun_on_overflow takes the smemguard.tile_choice functions or smemguard.tiles_at_launch "
                         "kernels the wrapper chooses tiles with")
     if fallback is not None and not callable(fallback):
@@ -81,10 +81,10 @@ def rerun_on_overflow(*choices, fallback: Callable[..., Any] | None = None) -> C
     return decorate
 
 
-def _recorded_call(wrapper: Callable, name: str, engine, args: tuple, kwargs: dict
+def _recorded_call(wrapper: Callable, name: str, declarations: tuple, engine, args: tuple, kwargs: dict
                    ) -> tuple[Any, BaseException | None, Call]:
     """(result, the shared-memory overflow the call raised or None, the tiles chosen in it)."""
-    outer, call = running.call, Call(name, engine)
+    outer, call = running.call, Call(name, engine, declarations)
     running.call = call
     try:
         return wrapper(*args, **kwargs), None, call
@@ -101,9 +101,16 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
     """The call, run again with smaller tiles while a declaration's kernel is the launch that does not fit.
     ``unrecorded``: the overflow of a first call made without bookkeeping, run again to see the tiles it chose
     (the contract makes that safe: it failed at its first launch)."""
-    result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
+    if unrecorded is not None:
+        _put_in_place(declarations, unrecorded, engine)
+    result, error, call = _recorded_call(wrapper, name, declarations, engine, args, kwargs)
     if error is None:
         return result
+    if unrecorded is None and _put_in_place(declarations, error, engine):  # its tiles were not in the call's books
+        unrecorded = error
+        result, error, call = _recorded_call(wrapper, name, declarations, engine, args, kwargs)
+        if error is None:
+            return result
     original, started, steps, failed, step = unrecorded or error, time.perf_counter(), Steps(name), [], None
     with steps.skippable("read the failed launch"):
         step = _failed_choice(declarations, call, error, engine)
@@ -132,7 +139,7 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
                 declaration.learn(engine, name, shape, smaller)
         except StepFailed:
             raise original from None
-        result, error, call = _recorded_call(wrapper, name, engine, args, kwargs)
+        result, error, call = _recorded_call(wrapper, name, declarations, engine, args, kwargs)
         if error is None:
             break
         step = None
@@ -143,6 +150,27 @@ def _run(wrapper: Callable, name: str, declarations: tuple, fallback, engine, ar
         tiles = step[2]
     outcome.reduced(smaller)
     return result
+
+
+def _put_in_place(declarations: tuple, error, engine) -> bool:
+    """Put in place the declarations of the kernel whose launch raised ``error`` that a pack held back
+    (:attr:`.wrapper_tiles.Declaration.put_in_place`): True when one was. The contract makes running the call again
+    to see its tiles safe: it failed at its first launch."""
+    kernel, _ = _failed_launch(error, engine)
+    held = _held_back(declarations, kernel)
+    for declaration in held:
+        try:
+            declaration.put_in_place()
+        except Exception:  # the call's own error stands, as for a kernel nothing declared
+            log.warning("smemguard: could not put the declaration of %s in place", declaration.name, exc_info=True)
+            return False
+    return bool(held)
+
+
+def _held_back(declarations: tuple, jit) -> list:
+    """The declarations of ``jit`` among ``declarations`` that a pack holds back."""
+    return [declaration for declaration in declarations if declaration.put_in_place is not None
+            and jit is not None and any(jit is declared for declared in declaration.jits)]
 
 
 def _failed_choice(declarations: tuple, call: Call, error, engine) -> tuple | None:
@@ -172,7 +200,7 @@ def chooses_again(jit, launched: dict, least: int | None) -> bool:
     if call is None:
         return _first_call_on_stack(jit)
     if _chosen(call, jit, launched) is None:
-        return False
+        return bool(_held_back(call.declarations, jit))  # put in place, the call runs again and records
     call.least = least
     return True
 

@@ -57,6 +57,7 @@ class Call:
 
     wrapper: str
     engine: Any  # the install's (:func:`smemguard.facts.process.installed_engine`), whose memory holds what was learnt
+    declarations: tuple  # the wrapper's
     chosen: list = dataclasses.field(default_factory=list)  # [(declaration, shape class, tiles)]
     least: int | None = None  # the least bytes the launch guard's candidates needed at the last failed launch
 
@@ -129,23 +130,14 @@ def tile_choice(*, kernel, tile: str | tuple[str, ...], smallest: int | Callable
         raise TypeError(f"at must give one position in the returned tuple per tile ({len(names)}), not {at!r}")
     if positions is None and len(names) > 1:
         raise TypeError("a function that chooses several tiles returns a tuple: say where each one is with at=")
-    return lambda function: _answering(TileChoice(function, jits, names, smallest, positions, launch_shape))
+    return lambda function: TileChoice(function, jits, names, smallest, positions, launch_shape).over(function)
 
 
-def _answering(declaration: TileChoice) -> Callable[..., Any]:
-    """The declared choice: the library's function, whose answers inside a declared wrapper's call are lowered to
-    the tiles learnt (:meth:`TileChoice.answered_in`). A plain function, not the declaration's ``__call__``: a healthy
-    call (no declared call running on the thread) costs a function layer and a thread-local read."""
-    function, answered_in = declaration.function, declaration.answered_in
-
-    @functools.wraps(function)
-    def choice(*args, **kwargs):
-        answer = function(*args, **kwargs)
-        call = running.call
-        return answer if call is None else answered_in(call, args, kwargs, answer)
-
-    choice._self_tiles = declaration  # what rerun_on_overflow declares the wrapper with, as for tiles_at_launch's
-    return choice
+def declaration_of(declared) -> Declaration | None:
+    """The declaration behind what :func:`tile_choice` or :func:`tiles_at_launch` returned (or the declaration
+    itself); None for anything else."""
+    declaration = declared if isinstance(declared, Declaration) else getattr(declared, "_self_tiles", None)
+    return declaration if isinstance(declaration, Declaration) else None
 
 
 def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tuple, dict, dict], tuple],
@@ -158,13 +150,21 @@ def tiles_at_launch(kernel, *, tile: str | tuple[str, ...], grid: Callable[[tupl
     jits, names = _checked((kernel,), tile, smallest)
     if not callable(grid) or not callable(shape):
         raise TypeError("grid and shape must be functions of the launch (see smemguard.tiles_at_launch)")
-    return _LaunchLayer(kernel, LaunchTiles(jits, names, smallest, grid, shape, introspect.kernel_name(jits[0])))
+    return LaunchTiles(jits, names, smallest, grid, shape, introspect.kernel_name(jits[0])).over(kernel)
 
 
 class Declaration:
     """Where a wrapper's tiles for one kernel come from. What the install and the decision cache learnt for them,
     per (wrapper, device, limit, shape class), is in the engine's memory (:data:`MEMORY`): libraries declare at
-    import, before any install."""
+    import, before any install.
+
+    :meth:`over` builds what stands in place of the library's function (or kernel). A library's own declaration is
+    in place from its import. A pack's (:class:`smemguard.patches.contrib._declared_wrappers.DeclaredWrappers`) is
+    held back until a launch of its kernel overflows, or the decision cache holds learnt tiles, so that a healthy
+    call of the library pays for its wrapper's layer only: then ``put_in_place`` puts it there."""
+
+    #: None: in place; else puts it in place (a pack's, held back)
+    put_in_place: Callable[[], None] | None = None
 
     def __init__(self, jits: tuple, tiles: tuple[str, ...], smallest, name: str,
                  launch_shape: Callable[[dict], dict] | None = None):
@@ -175,6 +175,10 @@ class Declaration:
         """``answered`` with each tile no larger than the one learnt for the shape class."""
         known = self._known_tiles(call.engine, call.wrapper, shape, answered)
         return answered if known is None else tuple(min(pair) for pair in zip(answered, known))
+
+    def over(self, original) -> Any:
+        """What stands in place of ``original``, the library's function or kernel, for this declaration."""
+        raise NotImplementedError
 
     def smallest_for(self, shape: tuple) -> int:
         """The least tile the kernels may take for the shape class."""
@@ -273,6 +277,21 @@ class TileChoice(Declaration):
         self._positional = all(parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
                                for parameter in self._signature.parameters.values())
 
+    def over(self, original) -> Callable[..., Any]:
+        """The declared choice: ``original``, whose answers inside a declared wrapper's call are lowered to the tiles
+        learnt (:meth:`answered_in`). A plain function, not an instance's ``__call__``: a healthy call (no declared
+        call running on the thread) costs a function layer and a thread-local read."""
+        answered_in = self.answered_in
+
+        @functools.wraps(original)
+        def choice(*args, **kwargs):
+            answer = original(*args, **kwargs)
+            call = running.call
+            return answer if call is None else answered_in(call, args, kwargs, answer)
+
+        choice._self_tiles = self  # what rerun_on_overflow declares the wrapper with (declaration_of)
+        return choice
+
     def answered_in(self, call: Call, args: tuple, kwargs: dict, answer):
         """``answer``, the library's own for ``args`` and ``kwargs``, inside the declared wrapper's ``call``: lowered
         to the tiles learnt for its shape class, and kept in the call's books."""
@@ -314,6 +333,10 @@ class LaunchTiles(Declaration):
                  name: str):
         super().__init__(jits, tiles, smallest, name)
         self._grid, self._shape = grid, shape
+
+    def over(self, original) -> Any:
+        """``original``, the kernel, whose launches inside declared calls answer learnt tiles."""
+        return _LaunchLayer(original, self)
 
     def launch(self, kernel, call: Call, grid, args: tuple, kwargs: dict):
         """``kernel[grid](*args, **kwargs)`` inside a declared call, with the tiles learnt for its shape class."""

@@ -29,7 +29,9 @@ What it does: the choice function becomes a declared ``smemguard.tile_choice`` (
 tuple it returns, for both kernels), the two wrappers ``smemguard.rerun_on_overflow`` (also where the Triton backend
 and the dLLM attention imported them by name). On CUDA each wrapper's first launch is its kernel (the FP8 casts and
 the compact grid are gfx950 paths; where a wrapper launches other tiles than the choice's, as gfx950's
-``BLOCK_M=256``, the error is the caller's, unchanged). Not applied in ``SMEMGUARD=observe``: it changes what runs.
+``BLOCK_M=256``, the error is the caller's, unchanged). The choice is declared from the first overflow of either
+kernel on (or from install, when the decision cache holds learnt tiles); until then a healthy call pays for the
+wrapper's layer only. Not applied in ``SMEMGUARD=observe``: it changes what runs.
 
 Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps the two kernels with the parameters
 read above, ``BLOCK_M`` and ``BLOCK_N`` sizing their blocks and every load and store they index masked, the choice

@@ -20,11 +20,12 @@ results equal the larger tiles' up to the order of the online softmax's addition
 every tile equal to the largest keeps the wrapper's ``BLOCK_M == BLOCK_N``; down to 16 (``tl.dot``).
 
 What it does: the choice is inline, so the kernel is declared where the wrapper launches it
-(``smemguard.tiles_at_launch``: the module's ``_fwd_kernel`` gets a proxy that, inside a declared call, launches the
-tiles learnt for the shape class, query dtype and head size, with the grid above) and the wrapper
-``smemguard.rerun_on_overflow`` (also where the vision attention imported it by name). ``_fwd_kernel`` is the
-wrapper's only launch. Where not even 16x16 fits, the call runs in torch
-(``smemguard.fallbacks.sglang_context_attention``). Not applied in ``SMEMGUARD=observe``: it changes what runs.
+(``smemguard.tiles_at_launch``: from the first overflow on, or from install when the decision cache holds learnt
+tiles, the module's ``_fwd_kernel`` is a proxy that, inside a declared call, launches the tiles learnt for the
+shape class, query dtype and head size, with the grid above) and the wrapper ``smemguard.rerun_on_overflow`` (also
+where the vision attention imported it by name). ``_fwd_kernel`` is the wrapper's only launch. Where not even 16x16
+fits, the call runs in torch (``smemguard.fallbacks.sglang_context_attention``). Not applied in
+``SMEMGUARD=observe``: it changes what runs.
 
 Where it applies (:class:`smemguard.patches.Kernels`): wherever a release keeps ``_fwd_kernel`` with the parameters
 read above, ``BLOCK_M`` and ``BLOCK_N`` sizing its blocks and every load and store they index masked, and
@@ -60,5 +61,4 @@ PATCH = DeclaredWrappers(
     kernels=Kernels(HOMES, {KERNEL: _PARAMETERS}, tiles=TILES, masked=TILES,
                     reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it",
                             _context_attention.launches_its_block),)),
-    declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), fallbacks={WRAPPER: "sglang_context_attention"},
-    target=WRAPPER)
+    declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), fallbacks={WRAPPER: "sglang_context_attention"})

@@ -20,8 +20,9 @@ online softmax (not bitwise). Halving every tile equal to the largest (the wrapp
 RDNA, ``min(BLOCK, 32)``), down to 16 (``tl.dot``): 64 fits head size 256 on sm_89/sm_120 (73728 B), 32 on sm_75
 (65536 B).
 
-What it does: the kernel is declared where the wrapper launches it (``smemguard.tiles_at_launch``: the module's
-``_fwd_kernel`` gets a proxy that, inside a declared call, launches the tiles learnt for the shape class, query dtype
+What it does: the kernel is declared where the wrapper launches it (``smemguard.tiles_at_launch``: from the first
+failure on, or from install when the decision cache holds learnt tiles, the module's ``_fwd_kernel`` is a proxy that,
+inside a declared call, launches the tiles learnt for the shape class, query dtype
 and head size, with the grid above) and the wrapper ``smemguard.rerun_on_overflow`` (also in the modules that
 imported it by name: the Triton and ROCm attention backends), the public mechanism
 (:mod:`smemguard.engine.wrapper_tiles`) as for SGLang's copy of the kernel. The tiles are read at the launch, after
@@ -72,4 +73,4 @@ PATCH = DeclaredWrappers(
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=TILES, masked=TILES,
                     reads=((f"{WRAPPER} choosing BLOCK and launching {KERNEL} with it",
                             _context_attention.launches_its_block),)),
-    declared=KERNEL, declare=_declare, wrappers=(WRAPPER,), target=WRAPPER)
+    declared=KERNEL, declare=_declare, wrappers=(WRAPPER,))

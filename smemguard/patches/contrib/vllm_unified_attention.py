@@ -24,8 +24,10 @@ wrappers gets. When a call raises ``OutOfResources`` for shared memory from its 
 ``kernel_unified_attention``, and that launch's ``TILE_SIZE`` is the one ``_get_tile_size`` answered in the call for
 the launch's shape class (head size, window, element size, prefill or decode, read back from the launch: the wrapper
 asks twice, and the 2D launch takes the prefill answer, the 3D one the decode answer), the tile is halved for that
-class (per device and limit) and ``unified_attention`` called again, down to the smallest tile. Inside the wrapper's
-calls ``_get_tile_size`` answers the smaller tile for that class, so the attention kernel and ``reduce_segments`` get
+class (per device and limit) and ``unified_attention`` called again, down to the smallest tile. ``_get_tile_size`` is
+declared from the first such failure on (or from install, when the decision cache holds learnt tiles): until then a
+healthy call pays for the wrapper's layer only. Inside the wrapper's calls it answers the smaller tile for that
+class, so the attention kernel and ``reduce_segments`` get
 the same value, and later calls of that class, and later processes (the decision cache's table ``tiles``), pick it
 at once, with no failed launch. A failure of any other launch (``reduce_segments``, after the attention kernel ran)
 is never retried. One incident record (``"action": "tiles_reduced"``) per shape class.
@@ -93,4 +95,4 @@ PATCH = DeclaredWrappers(
     kernels=Kernels(HOMES, {KERNEL: _KERNEL_PARAMETERS}, tiles=("TILE_SIZE",),
                     reads=((f"{TILE_CHOICE}({', '.join(_TILE_CHOICE_PARAMETERS)})", _chooses_by_shape),
                            (WRAPPER, lambda module: callable(getattr(module, WRAPPER))))),
-    declared=TILE_CHOICE, declare=_declare, wrappers=(WRAPPER,), target=WRAPPER)
+    declared=TILE_CHOICE, declare=_declare, wrappers=(WRAPPER,))
