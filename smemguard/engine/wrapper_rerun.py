@@ -170,7 +170,7 @@ def _put_in_place(declarations: tuple, error, engine) -> bool:
 def _held_back(declarations: tuple, jit) -> list:
     """The declarations of ``jit`` among ``declarations`` that a pack holds back."""
     return [declaration for declaration in declarations if declaration.put_in_place is not None
-            and jit is not None and any(jit is declared for declared in declaration.jits)]
+            and jit is not None and declaration.declares(jit)]
 
 
 def _failed_choice(declarations: tuple, call: Call, error, engine) -> tuple | None:
@@ -186,7 +186,7 @@ def _chosen(call: Call, jit, launched: dict, declarations: tuple | None = None) 
     constexprs, by one of ``declarations`` (None: any); else None."""
     return next(((declaration, shape, tiles) for declaration, shape, tiles in call.chosen
                  if (declarations is None or declaration in declarations)
-                 and any(jit is declared for declared in declaration.jits)
+                 and declaration.declares(jit)
                  and all(launched.get(name, _UNKNOWN) == tile for name, tile in zip(declaration.tiles, tiles))
                  and declaration.took(shape, launched)),
                 None)
@@ -212,7 +212,7 @@ def _first_call_on_stack(jit) -> bool:
     while frame is not None:
         if frame.f_code.co_name == "rerunnable" and frame.f_code.co_filename == __file__:
             declarations = frame.f_locals.get("declarations", ())
-            return any(jit is declared for declaration in declarations for declared in declaration.jits)
+            return any(declaration.declares(jit) for declaration in declarations)
         frame = frame.f_back
     return False
 

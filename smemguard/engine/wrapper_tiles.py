@@ -180,6 +180,10 @@ class Declaration:
         """What stands in place of ``original``, the library's function or kernel, for this declaration."""
         raise NotImplementedError
 
+    def declares(self, jit) -> bool:
+        """Whether ``jit`` is one of the declaration's kernels."""
+        return any(jit is declared for declared in self.jits)
+
     def smallest_for(self, shape: tuple) -> int:
         """The least tile the kernels may take for the shape class."""
         return self.smallest(dict(shape)) if callable(self.smallest) else self.smallest
@@ -271,7 +275,7 @@ class TileChoice(Declaration):
     def __init__(self, function: Callable[..., Any], jits: tuple, tiles: tuple[str, ...], smallest,
                  positions: tuple[int, ...] | None, launch_shape: Callable[[dict], dict] | None = None):
         super().__init__(jits, tiles, smallest, introspect.callable_name(function), launch_shape)
-        self.function, self.positions = function, positions
+        self.positions = positions
         self._signature = inspect.signature(function)
         self._names = tuple(self._signature.parameters)
         self._positional = all(parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
